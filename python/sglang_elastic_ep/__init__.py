@@ -1,0 +1,1 @@
+"""Elastic expert parallelism for SGLang."""

@@ -1,0 +1,1 @@
+/* intentionally empty: satisfies a DT_NEEDED entry */
