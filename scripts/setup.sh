@@ -41,5 +41,10 @@ gcc -shared -fPIC -O1 -Wl,-soname,libc10_cuda.so -o "$STUBS/libc10_cuda.so" "$RO
 gcc -shared -fPIC -O1 -Wl,-soname,libtorch_cuda.so -o "$STUBS/libtorch_cuda.so" "$ROOT/scripts/stubs/empty.c"
 ln -sf libcuda.so.1 "$STUBS/libcuda.so"
 
+# CPU engine shims must exist before SGLang's spawned children import anything (see
+# python/sglang_elastic_ep/cpu/bootstrap.py); a .pth line runs it at interpreter start.
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "import sglang_elastic_ep.cpu.bootstrap" > "$SITE/sglang_elastic_ep_cpu.pth"
+
 echo "$WANT" > "$STAMP"
 echo "setup: done in $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,48 @@
+"""A snapshot of which EP rank slots are active, pending, failed, leaving or released."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sglang_elastic_ep.core.api_models import RankState, RankStatus
+
+
+@dataclass(frozen=True)
+class Membership:
+    max_size: int
+    effective_size: int  # ranks [0, effective_size) are managed (serving, or failed in place)
+    pending_size: int | None = None  # target of a running scale-up
+    failed: frozenset[int] = field(default_factory=frozenset)
+    leaving: frozenset[int] = field(default_factory=frozenset)  # running scale-down
+    safe_to_terminate: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.effective_size <= self.max_size:
+            raise ValueError(
+                f"effective_size {self.effective_size} must be in [1, {self.max_size}]"
+            )
+        for name in ("failed", "leaving", "safe_to_terminate"):
+            ranks: frozenset[int] = getattr(self, name)
+            bad = sorted(r for r in ranks if not 0 <= r < self.max_size)
+            if bad:
+                raise ValueError(f"{name} ranks {bad} are outside [0, {self.max_size})")
+
+    def rank_state(self, rank: int) -> RankState:
+        # Order matters: a released rank may also have failed; "released" is what to act on.
+        if rank in self.safe_to_terminate:
+            return RankState.SAFE_TO_TERMINATE
+        if rank in self.failed:
+            return RankState.FAILED
+        if rank in self.leaving:
+            return RankState.LEAVING
+        if rank < self.effective_size:
+            return RankState.ACTIVE
+        if self.pending_size is not None and rank < self.pending_size:
+            return RankState.PENDING
+        return RankState.INACTIVE
+
+    def rank_statuses(self) -> list[RankStatus]:
+        return [RankStatus(rank=r, state=self.rank_state(r)) for r in range(self.max_size)]
+
+    def failed_in_range(self) -> frozenset[int]:
+        return frozenset(r for r in self.failed if r < self.effective_size)

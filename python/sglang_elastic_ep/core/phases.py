@@ -1,0 +1,138 @@
+"""Phases of elastic EP operations and the transitions each role may take between them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Phase(str, enum.Enum):
+    # Upstream ElasticEPState.scale_phase names, kept so status output stays familiar.
+    IDLE = "idle"
+    WAITING_FOR_COHORT = "waiting_for_cohort"
+    PENDING = "pending"
+    JOINING = "joining"
+    CONFIGURING_DATA_PLANE = "configuring_data_plane"
+    SYNCING_NEW_WORLD = "syncing_new_world"
+    SERVING_EXPANDED = "serving_expanded"
+    FAILED = "failed"
+    # Joining rank only: load weights, capture graphs before joining (heartbeats are short).
+    WARMING_UP = "warming_up"
+    # Scale-down.
+    DRAINING = "draining"
+    MOVING_EXPERTS = "moving_experts"
+    SWITCHING_PLACEMENT = "switching_placement"
+    RELEASING = "releasing"
+    SERVING_CONTRACTED = "serving_contracted"
+    RELEASED = "released"
+    # Recovery of a crashed or hard-blocked rank.
+    ISOLATING_FAULT = "isolating_fault"
+    SERVING_DEGRADED = "serving_degraded"
+    REJOINING = "rejoining"
+    RESTORING_EXPERTS = "restoring_experts"
+    SERVING_RECOVERED = "serving_recovered"
+
+
+class Role(str, enum.Enum):
+    EXISTING_SCALE_UP = "existing_scale_up"
+    JOINER = "joiner"
+    SCALE_DOWN_STAYING = "scale_down_staying"
+    SCALE_DOWN_LEAVING = "scale_down_leaving"
+    RECOVERY = "recovery"
+
+
+P = Phase
+_F = P.FAILED
+
+INITIAL_PHASE: dict[Role, Phase] = {
+    Role.EXISTING_SCALE_UP: P.WAITING_FOR_COHORT,
+    Role.JOINER: P.WARMING_UP,
+    Role.SCALE_DOWN_STAYING: P.DRAINING,
+    Role.SCALE_DOWN_LEAVING: P.DRAINING,
+    Role.RECOVERY: P.ISOLATING_FAULT,
+}
+
+TRANSITIONS: dict[Role, dict[Phase, frozenset[Phase]]] = {
+    Role.EXISTING_SCALE_UP: {
+        P.WAITING_FOR_COHORT: frozenset({P.PENDING, _F}),
+        P.PENDING: frozenset({P.JOINING, _F}),
+        P.JOINING: frozenset({P.CONFIGURING_DATA_PLANE, _F}),
+        P.CONFIGURING_DATA_PLANE: frozenset({P.SYNCING_NEW_WORLD, _F}),
+        P.SYNCING_NEW_WORLD: frozenset({P.SERVING_EXPANDED, _F}),
+    },
+    Role.JOINER: {
+        # A recovering joiner has no cohort to register and goes straight to joining.
+        P.WARMING_UP: frozenset({P.PENDING, P.JOINING, _F}),
+        P.PENDING: frozenset({P.JOINING, _F}),
+        P.JOINING: frozenset({P.SYNCING_NEW_WORLD, _F}),
+        P.SYNCING_NEW_WORLD: frozenset({P.CONFIGURING_DATA_PLANE, _F}),
+        P.CONFIGURING_DATA_PLANE: frozenset({P.SERVING_EXPANDED, P.SERVING_RECOVERED, _F}),
+    },
+    Role.SCALE_DOWN_STAYING: {
+        P.DRAINING: frozenset({P.MOVING_EXPERTS, _F}),
+        P.MOVING_EXPERTS: frozenset({P.SWITCHING_PLACEMENT, _F}),
+        P.SWITCHING_PLACEMENT: frozenset({P.RELEASING, _F}),
+        P.RELEASING: frozenset({P.SERVING_CONTRACTED, _F}),
+    },
+    Role.SCALE_DOWN_LEAVING: {
+        P.DRAINING: frozenset({P.MOVING_EXPERTS, _F}),
+        P.MOVING_EXPERTS: frozenset({P.SWITCHING_PLACEMENT, _F}),
+        P.SWITCHING_PLACEMENT: frozenset({P.RELEASING, _F}),
+        P.RELEASING: frozenset({P.RELEASED, _F}),
+    },
+    Role.RECOVERY: {
+        P.ISOLATING_FAULT: frozenset({P.SERVING_DEGRADED, _F}),
+        # Another rank may fail while degraded: isolate it too.
+        P.SERVING_DEGRADED: frozenset({P.REJOINING, P.ISOLATING_FAULT, _F}),
+        P.REJOINING: frozenset({P.RESTORING_EXPERTS, _F}),
+        P.RESTORING_EXPERTS: frozenset({P.SERVING_RECOVERED, _F}),
+    },
+}
+
+TERMINAL_PHASES: frozenset[Phase] = frozenset(
+    {P.SERVING_EXPANDED, P.SERVING_CONTRACTED, P.RELEASED, P.SERVING_RECOVERED, P.FAILED}
+)
+
+
+class IllegalTransition(RuntimeError):
+    """A state machine was asked to move between phases its role does not connect."""
+
+
+@dataclass(frozen=True)
+class PhaseStamp:
+    phase: Phase
+    at: float  # the clock the owner uses: monotonic in state machines, Unix time in the registry
+
+
+class PhaseTracker:
+    """Current phase of one role plus the time each phase was entered; validates transitions."""
+
+    def __init__(self, role: Role, now: float) -> None:
+        self.role = role
+        self._stamps: list[PhaseStamp] = [PhaseStamp(INITIAL_PHASE[role], now)]
+
+    @property
+    def phase(self) -> Phase:
+        return self._stamps[-1].phase
+
+    @property
+    def entered_at(self) -> float:
+        return self._stamps[-1].at
+
+    @property
+    def stamps(self) -> tuple[PhaseStamp, ...]:
+        return tuple(self._stamps)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.phase in TERMINAL_PHASES
+
+    def advance(self, to: Phase, now: float) -> None:
+        allowed = TRANSITIONS[self.role].get(self.phase, frozenset())
+        if to not in allowed:
+            names = ", ".join(sorted(p.value for p in allowed)) or "none (terminal)"
+            raise IllegalTransition(
+                f"{self.role.value}: cannot go from {self.phase.value} to {to.value}; "
+                f"allowed next phases: {names}"
+            )
+        self._stamps.append(PhaseStamp(to, now))

@@ -1,0 +1,84 @@
+"""Every hook this plugin installs into SGLang 0.5.23, each with one line on why.
+
+Nothing outside this table patches SGLang. A hook's ``scope`` says when it is installed:
+``cpu`` only with the CPU engine (``SGLANG_USE_CPU_ENGINE=1``), ``all`` always. ``all`` hooks
+pass straight through unless elastic EP flags were given, so a server started without them
+behaves exactly as upstream.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+Scope = Literal["all", "cpu"]
+S = "sglang.srt."
+
+
+@dataclass(frozen=True)
+class Hook:
+    target: str  # dotted path handed to HookRegistry.register
+    impl: str  # "module:function" inside this package
+    kind: Literal["BEFORE", "AFTER", "AROUND", "REPLACE"]
+    scope: Scope
+    why: str
+
+    def resolve(self) -> Callable:
+        module, _, name = self.impl.partition(":")
+        return getattr(importlib.import_module(f"sglang_elastic_ep.{module}"), name)
+
+
+@dataclass(frozen=True)
+class ImportShim:
+    """A module provided under another name when the real one cannot load (CPU engine only)."""
+
+    name: str
+    impl: str
+    scope: Scope
+    why: str
+
+    def install(self) -> None:
+        module, _, name = self.impl.partition(":")
+        getattr(importlib.import_module(f"sglang_elastic_ep.{module}"), name)()
+
+
+HOOKS: tuple[Hook, ...] = (
+    # --- arguments -------------------------------------------------------------------------
+    Hook(f"{S}server_args.ServerArgs.add_cli_args", "sglang.args:add_cli_args", "AFTER", "all",
+         "adds --ep-join-mode, --elastic-ep-drain-timeout and the Mooncake timeout flags"),
+    Hook(f"{S}server_args.ServerArgs.from_cli_args", "sglang.args:from_cli_args", "AFTER", "all",
+         "copies our flags onto ServerArgs and resolves --ep-join-mode vs --elastic-ep-join-mode"),
+    # --- CPU engine ------------------------------------------------------------------------
+    Hook(f"{S}layers.moe.fused_moe_native.moe_forward_native", "cpu.moe:moe_forward_native",
+         "REPLACE", "cpu",
+         "EP on CPU: non-local experts arrive as id -1 and must contribute nothing; 0 tokens ok"),
+)
+
+IMPORT_SHIMS: tuple[ImportShim, ...] = (
+    ImportShim("sgl_kernel", "cpu.sgl_kernel_ops:install", "cpu",
+               "the CPU build of sgl_kernel is not on PyPI: torch versions of the ops SGLang calls"),
+    ImportShim("torchvision", "cpu.torchvision_shim:install", "cpu",
+               "PyPI torchvision is a CUDA build that cannot import beside CPU torch; SGLang "
+               "imports it at module level for image models we never serve on CPU"),
+    ImportShim("torch.cpu.empty_cache", "cpu.torch_compat:install", "cpu",
+               "EPLB calls torch.<device>.empty_cache, which CPU torch lacks"),
+)
+
+
+def cpu_engine() -> bool:
+    return os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"
+
+
+def _in_scope(scope: Scope) -> bool:
+    return scope == "all" or (scope == "cpu" and cpu_engine())
+
+
+def active_hooks() -> list[Hook]:
+    return [h for h in HOOKS if _in_scope(h.scope)]
+
+
+def active_import_shims() -> list[ImportShim]:
+    return [s for s in IMPORT_SHIMS if _in_scope(s.scope)]

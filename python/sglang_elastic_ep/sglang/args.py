@@ -1,0 +1,65 @@
+"""Our command-line flags, added to SGLang's parser and copied onto ``ServerArgs``.
+
+``--ep-join-mode`` is the RFC's name for upstream's ``--elastic-ep-join-mode``; both are
+accepted, and giving both with different values is a startup error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# flag -> (dest on ServerArgs, default, type, help)
+EXTRA_FLAGS: dict[str, tuple[str, Any, type, str]] = {
+    "--ep-join-mode": (
+        "eep_join_mode_alias", None, str,
+        "RFC name of --elastic-ep-join-mode: 'scale' (new rank) or 'recover' (replace a failed one)",
+    ),
+    "--elastic-ep-drain-timeout": (
+        "elastic_ep_drain_timeout", 120.0, float,
+        "seconds leaving shards may spend finishing running requests on scale-down",
+    ),
+    "--elastic-ep-collective-timeout": (
+        "elastic_ep_collective_timeout", None, float,
+        "Mooncake collective timeout in seconds (Mooncake's default when unset)",
+    ),
+    "--elastic-ep-fault-window": (
+        "elastic_ep_fault_window", None, float,
+        "Mooncake fault-reconciliation window in seconds (Mooncake's default when unset)",
+    ),
+    "--elastic-ep-webhook-url": (
+        "elastic_ep_webhook_url", None, str,
+        "URL that receives elastic EP events as JSON POSTs (retried with backoff)",
+    ),
+}
+
+
+def add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
+    """AFTER hook on ``ServerArgs.add_cli_args``."""
+    group = parser.add_argument_group("sglang-elastic-ep")
+    for flag, (dest, default, typ, help_text) in EXTRA_FLAGS.items():
+        kwargs: dict[str, Any] = {"dest": dest, "default": default, "type": typ, "help": help_text}
+        if flag == "--ep-join-mode":
+            kwargs["choices"] = ["scale", "recover"]
+        group.add_argument(flag, **kwargs)
+
+
+def resolve_join_mode(upstream: str | None, alias: str | None) -> str | None:
+    """The join mode from upstream's flag and the RFC alias; conflicting values are an error."""
+    if alias is None:
+        return upstream
+    if upstream is not None and upstream != alias:
+        raise ValueError(
+            f"--ep-join-mode {alias} contradicts --elastic-ep-join-mode {upstream}: "
+            "give one of them (they are the same setting)"
+        )
+    return alias
+
+
+def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
+    """AFTER hook on ``ServerArgs.from_cli_args``: carry our flags onto the instance."""
+    for dest, default, _typ, _help in EXTRA_FLAGS.values():
+        setattr(server_args, dest, getattr(args, dest, default))
+    server_args.ep_join_mode = resolve_join_mode(
+        getattr(server_args, "ep_join_mode", None), server_args.eep_join_mode_alias
+    )
