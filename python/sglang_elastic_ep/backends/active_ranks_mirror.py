@@ -17,9 +17,9 @@ forward.
   records a CUDA event; :meth:`poll_refresh` folds the copy in once that event has completed
   (``cudaEventQuery``, which never waits). A fault is seen one or two forwards later.
 
-The device can only take ranks away in the mirror (a fault); only membership events add them.
-Snapshots queued before the latest membership event are discarded, so a stale copy never undoes
-an activation.
+Between membership events the device copy is authoritative (GPU-side fault detection clears a
+rank; a recovery sets it again). A snapshot queued before the latest membership event is
+discarded, so a stale copy never undoes an event.
 
 Pure torch; no SGLang.
 """
@@ -185,14 +185,15 @@ class ActiveRanksMirror:
         return self._fold(self._host_buf.tolist())
 
     def _fold(self, device_values: list[int]) -> bool:
-        changed = False
-        for i, v in enumerate(device_values[: self._size]):
-            if not v and self._mask[i]:
-                self._mask[i] = 0
-                changed = True
-        if changed:
-            self._generation += 1
-        return changed
+        # The device copy is authoritative between membership events (stale copies were
+        # rejected above): GPU-side fault detection lowers ranks, recovery raises them.
+        vals = [1 if v else 0 for v in device_values[: self._size]]
+        vals += self._mask[len(vals) :]
+        if vals == self._mask:
+            return False
+        self._mask = vals
+        self._generation += 1
+        return True
 
     def push_to_device(self) -> None:
         """Write the mirror to the device mask (non-blocking, from pinned memory).

@@ -283,9 +283,7 @@ class NixlMembership:
             self._drained.add(int(r))
             self._activated.discard(int(r))
 
-    def attach(
-        self, buffer: Any, *, rank: int, max_ep_size: int, initial_ep_size: int
-    ) -> None:
+    def attach(self, buffer: Any, *, rank: int, max_ep_size: int, initial_ep_size: int) -> None:
         """Adopt a freshly allocated (pre-sized) buffer; the first dispatch connects.
 
         ``initial_ep_size`` is the world this rank starts in: the launch size on a founder,
@@ -337,7 +335,7 @@ class NixlMembership:
         self._scale_to = new_ep_size
         self._target_seq += 1
         logger.info(
-            "[elastic-ep][nixl] rank %s: EP data plane %d -> %d recorded (applied at next dispatch)",
+            "[elastic-ep][nixl] rank %s: EP size %d -> %d recorded (applied on next dispatch)",
             self._rank,
             self._connected_ep_size,
             new_ep_size,

@@ -7,6 +7,7 @@ accepted, and giving both with different values is a startup error.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 # flag -> (dest on ServerArgs, default, type, help)
@@ -60,6 +61,17 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
     """AFTER hook on ``ServerArgs.from_cli_args``: carry our flags onto the instance."""
     for dest, default, _typ, _help in EXTRA_FLAGS.values():
         setattr(server_args, dest, getattr(args, dest, default))
+    # Spawned SGLang children inherit the environment, so process-wide settings travel there.
+    from sglang_elastic_ep.cpu.mooncake_cpu import ENV_COLLECTIVE_TIMEOUT, ENV_FAULT_WINDOW
+
+    for env, value in (
+        (ENV_COLLECTIVE_TIMEOUT, server_args.elastic_ep_collective_timeout),
+        (ENV_FAULT_WINDOW, server_args.elastic_ep_fault_window),
+    ):
+        if value is not None:
+            if value <= 0:
+                raise ValueError(f"{env}: Mooncake timeouts must be positive seconds, got {value}")
+            os.environ[env] = str(value)
     server_args.ep_join_mode = resolve_join_mode(
         getattr(server_args, "ep_join_mode", None), server_args.eep_join_mode_alias
     )

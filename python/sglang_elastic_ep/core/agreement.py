@@ -1,0 +1,276 @@
+"""Rank agreement before a collective membership step, without blocking a forward pass.
+
+Problem: each rank learns about a membership change (a scale request, a joiner that
+connected) on its own forward pass. If one rank enters a collective (admit, weight moves)
+while another runs a normal forward, both hang.
+
+Protocol, per round (step name + operation id + epoch), polled once per forward pass:
+
+1. If the round's abort key exists: ABORT.
+2. On the first poll, publish ``{intent, pass}`` under ``<round>/intent/<rank>``.
+3. If every member has published: the entry pass is ``E = max(published passes) + 1``.
+   ``pass == E``: ENTER. ``pass < E``: WAIT. ``pass > E``: this rank missed E; ABORT.
+   A member that published a different intent: ABORT.
+4. Otherwise WAIT, or ABORT once ``timeout_s`` has passed since this rank's first poll.
+   Every ABORT this rank decides is written to the abort key, so the others abort too.
+
+Why all ranks enter on the same pass: forward passes are lockstep (each contains a
+collective over all active ranks), so a store write made during pass p is visible to every
+rank's poll in pass p + 1. The last intent is written in pass max(p_i) = E - 1, so every rank
+sees the full set by pass E and none sees it complete before it can compute E. Ranks that
+already agree therefore enter on the first poll after the last publication. Aborts are
+consistent for the same reason: a rank aborts on timeout only while it has not seen all
+intents, which means E is at least one pass after its abort write, and every rank checks
+the abort key before entering.
+
+Requirement on the adapter: ``pass_id`` must be equal on all members for the same pass (keep
+a counter advanced once per forward pass and reset on all ranks at every commit).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class KVStore(Protocol):
+    """The subset of ``torch.distributed.TCPStore`` used here; a real TCPStore fits."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...  # TCPStore.get blocks for missing keys: check first
+
+    def add(self, key: str, amount: int) -> int: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+    def delete_key(self, key: str) -> bool: ...
+
+
+class InMemoryKVStore:
+    """KVStore for tests and single-process use; ``get`` of a missing key raises KeyError."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._lock:
+            self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            return value
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            return self._data.pop(key, None) is not None
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._data)
+
+
+class Decision(str, enum.Enum):
+    WAIT = "wait"  # keep serving; poll again next forward pass
+    ENTER = "enter"  # enter the collective step now, in this pass
+    ABORT = "abort"  # give the step up; every member reaches the same decision
+
+
+@dataclass(frozen=True)
+class Intent:
+    """What a rank is about to do. Members must publish equal intents to enter."""
+
+    step: str  # e.g. "admit", "scale_down_commit", "rejoin"
+    operation_id: str
+    epoch: int = 0  # bump to retry the same step after an abort
+    target: int | None = None  # e.g. the new EP size, so mismatched requests never meet
+
+    @property
+    def round_id(self) -> str:
+        return f"{self.step}/{self.operation_id}/{self.epoch}"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "operation_id": self.operation_id,
+            "epoch": self.epoch,
+            "target": self.target,
+        }
+
+
+class RankAgreement:
+    """One rank's view of one agreement round. Create one per round per rank."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        *,
+        rank: int,
+        members: Sequence[int],
+        intent: Intent,
+        timeout_s: float = 30.0,
+        prefix: str = "elastic_ep/agree",
+    ) -> None:
+        if rank not in members:
+            raise ValueError(f"rank {rank} is not among the members {sorted(members)}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.store = store
+        self.rank = rank
+        self.members = tuple(sorted(set(members)))
+        self.intent = intent
+        self.timeout_s = timeout_s
+        self._base = f"{prefix}/{intent.round_id}"
+        self._started_at: float | None = None
+        self._published = False
+        self._decision: Decision | None = None
+        self._last_wait_pass: int | None = None
+        self.enter_pass: int | None = None
+        self.abort_reason: str | None = None
+
+    @property
+    def decision(self) -> Decision | None:
+        """The final decision, or None while still waiting."""
+        return self._decision
+
+    @property
+    def published(self) -> bool:
+        return self._published
+
+    def _intent_key(self, rank: int) -> str:
+        return f"{self._base}/intent/{rank}"
+
+    @property
+    def _abort_key(self) -> str:
+        return f"{self._base}/abort"
+
+    def poll(self, *, pass_id: int, now: float) -> Decision:
+        """Non-blocking; call once per forward pass. Final decisions are sticky."""
+        if self._decision is not None:
+            return self._decision
+        if self._started_at is None:
+            self._started_at = now
+        if self.check_abort() is not None:
+            return Decision.ABORT
+
+        if not self._published:
+            payload = {"rank": self.rank, "pass": pass_id, "intent": self.intent.to_json()}
+            self.store.set(self._intent_key(self.rank), json.dumps(payload))
+            self._published = True
+
+        keys = [self._intent_key(r) for r in self.members]
+        if self.store.check(keys):
+            return self._decide_with_all(pass_id, keys)
+        if now - self._started_at >= self.timeout_s:
+            missing = [r for r in self.members if not self.store.check([self._intent_key(r)])]
+            return self._decide_abort(
+                f"rank {self.rank} timed out after {self.timeout_s:g}s waiting for rank(s) "
+                f"{missing} to agree on {self.intent.step}",
+                write=True,
+            )
+        self._last_wait_pass = pass_id
+        return Decision.WAIT
+
+    def _decide_with_all(self, pass_id: int, keys: list[str]) -> Decision:
+        mine = self.intent.to_json()
+        passes: list[int] = []
+        for key in keys:
+            payload = json.loads(self.store.get(key))
+            if payload["intent"] != mine:
+                return self._decide_abort(
+                    f"rank {payload['rank']} intends {payload['intent']} but rank "
+                    f"{self.rank} intends {mine}",
+                    write=True,
+                )
+            if payload["pass"] > pass_id:
+                # Impossible with equal lockstep counters; entering would split the ranks.
+                return self._decide_abort(
+                    f"rank {payload['rank']} published at pass {payload['pass']} while rank "
+                    f"{self.rank} is at pass {pass_id}: pass counters differ across ranks",
+                    write=True,
+                )
+            passes.append(payload["pass"])
+        enter_pass = max(passes) + 1
+        if pass_id == enter_pass:
+            self.enter_pass = enter_pass
+            self._decision = Decision.ENTER
+            return Decision.ENTER
+        if pass_id < enter_pass:
+            self._last_wait_pass = pass_id
+            return Decision.WAIT
+        return self._decide_abort(
+            f"rank {self.rank} polled at pass {pass_id}, after the agreed entry pass "
+            f"{enter_pass}; poll exactly once per forward pass",
+            write=True,
+        )
+
+    def can_abort(self, pass_id: int) -> bool:
+        """Whether aborting now cannot split the members.
+
+        Safe before publishing, or in a pass whose poll returned WAIT: then the entry pass
+        is later than this one, and every member reads the abort key before entering.
+        """
+        if self._decision is not None:
+            return self._decision is Decision.ABORT
+        return not self._published or self._last_wait_pass == pass_id
+
+    def abort(self, reason: str, *, pass_id: int) -> None:
+        """Give the round up from outside (peer death, operation timeout); others follow.
+
+        Once published, call it only after this pass's poll() returned WAIT (see can_abort).
+        """
+        if not self.can_abort(pass_id):
+            raise RuntimeError(
+                f"rank {self.rank} cannot abort {self.intent.round_id} at pass {pass_id}: "
+                "poll() first in this pass; abort only if it returned WAIT"
+            )
+        if self._decision is None:
+            self._decide_abort(reason, write=True)
+
+    def check_abort(self) -> str | None:
+        """Reason if some member aborted the round (the decision becomes ABORT), else None."""
+        if self._decision is Decision.ABORT:
+            return self.abort_reason
+        if self._decision is None and self.store.check([self._abort_key]):
+            self._decide_abort(self._read_abort_reason(), write=False)
+            return self.abort_reason
+        return None
+
+    def _read_abort_reason(self) -> str:
+        try:
+            return json.loads(self.store.get(self._abort_key))["reason"]
+        except (KeyError, ValueError):
+            return "aborted by another rank"
+
+    def _decide_abort(self, reason: str, *, write: bool) -> Decision:
+        if write and not self.store.check([self._abort_key]):
+            # Racing writers may overwrite each other's reason; any of them is true.
+            self.store.set(self._abort_key, json.dumps({"rank": self.rank, "reason": reason}))
+        elif write:
+            reason = self._read_abort_reason()
+        self.abort_reason = reason
+        self._decision = Decision.ABORT
+        return Decision.ABORT
+
+    def release(self) -> None:
+        """Delete this rank's intent once every member is past the round.
+
+        Call after the collective step finished (ENTER) or after an ABORT. The abort key
+        is kept: a slow member must still find it.
+        """
+        self.store.delete_key(self._intent_key(self.rank))

@@ -1,0 +1,261 @@
+"""Expert placement for a new rank set with the fewest weight moves.
+
+A placement maps each rank to the logical expert held in each of its physical slots; every
+rank has the same fixed number of slots (SGLang fixes local experts per rank at launch).
+Physical expert id = rank * slots_per_rank + slot, as in SGLang's expert location metadata.
+
+Rules of ``plan_placement``:
+- every target rank gets exactly ``slots_per_rank`` slots, each holding an expert;
+- every logical expert ends with at least one replica on the target ranks;
+- a slot on a target rank that can be read (a source rank) keeps its expert unless that
+  expert still has another replica and its slot is needed for an expert that has none;
+- slots are filled, in this order, with experts that have no replica, then with the
+  expert with the highest load per replica (no load given: the fewest replicas);
+- weights come only from source-rank slots that still hold the expert after the switch
+  (leaving ranks keep theirs until released), preferring a copy on the same rank;
+- an expert no source rank holds is listed in ``reloads`` (checkpoint or DRAM backup) when
+  ``allow_reload``; otherwise the plan fails.
+
+The number of moves is max(#experts without replica, #empty slots), which is the minimum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+EMPTY = -1  # a slot with no expert (a fresh rank, or a failed rank's lost memory)
+
+Placement = Mapping[int, Sequence[int]]  # rank -> logical expert id per slot
+
+
+class PlacementError(ValueError):
+    """No placement satisfies the rules (e.g. fewer slots than experts)."""
+
+
+@dataclass(frozen=True)
+class WeightMove:
+    logical_expert: int
+    src_rank: int
+    src_slot: int
+    dst_rank: int
+    dst_slot: int
+
+
+@dataclass(frozen=True)
+class ExpertReload:
+    """No live rank holds this expert: load it into the slot from the checkpoint or backup."""
+
+    logical_expert: int
+    dst_rank: int
+    dst_slot: int
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    placement: dict[int, tuple[int, ...]]  # target rank -> logical expert per slot
+    moves: tuple[WeightMove, ...]
+    reloads: tuple[ExpertReload, ...] = ()
+
+    @property
+    def changed_slots(self) -> int:
+        return len(self.moves) + len(self.reloads)
+
+
+@dataclass(frozen=True)
+class ReplicaTable:
+    logical_to_physical: dict[int, list[int]]
+    physical_to_logical: dict[int, int]
+    physical_to_rank: dict[int, int]
+
+
+def replica_table(placement: Placement, slots_per_rank: int) -> ReplicaTable:
+    """Index a placement by logical expert (physical id = rank * slots_per_rank + slot)."""
+    logical_to_physical: dict[int, list[int]] = {}
+    physical_to_logical: dict[int, int] = {}
+    physical_to_rank: dict[int, int] = {}
+    for rank in sorted(placement):
+        slots = placement[rank]
+        if len(slots) != slots_per_rank:
+            raise PlacementError(
+                f"rank {rank} has {len(slots)} slots, expected {slots_per_rank}"
+            )
+        for slot, expert in enumerate(slots):
+            physical = rank * slots_per_rank + slot
+            physical_to_rank[physical] = rank
+            physical_to_logical[physical] = expert
+            if expert != EMPTY:
+                logical_to_physical.setdefault(expert, []).append(physical)
+    return ReplicaTable(logical_to_physical, physical_to_logical, physical_to_rank)
+
+
+def _loads(num_experts: int, expert_load: Sequence[float] | Mapping[int, float] | None) -> list[float]:
+    if expert_load is None:
+        return [1.0] * num_experts
+    if isinstance(expert_load, Mapping):
+        loads = [float(expert_load.get(e, 0.0)) for e in range(num_experts)]
+    else:
+        if len(expert_load) != num_experts:
+            raise PlacementError(
+                f"expert_load has {len(expert_load)} entries for {num_experts} experts"
+            )
+        loads = [float(x) for x in expert_load]
+    if any(x < 0 for x in loads):
+        raise PlacementError("expert_load must be non-negative")
+    return loads
+
+
+def _validate(
+    num_logical_experts: int, slots_per_rank: int, current: Placement, targets: list[int]
+) -> None:
+    if num_logical_experts < 1 or slots_per_rank < 1:
+        raise PlacementError("num_logical_experts and slots_per_rank must be >= 1")
+    if not targets:
+        raise PlacementError("target_ranks is empty")
+    if len(set(targets)) != len(targets):
+        raise PlacementError(f"target_ranks has duplicates: {targets}")
+    for rank, slots in current.items():
+        if len(slots) != slots_per_rank:
+            raise PlacementError(
+                f"rank {rank} has {len(slots)} slots, expected {slots_per_rank}"
+            )
+        bad = [e for e in slots if e != EMPTY and not 0 <= e < num_logical_experts]
+        if bad:
+            raise PlacementError(
+                f"rank {rank} holds unknown experts {bad} (valid: 0..{num_logical_experts - 1})"
+            )
+    total = slots_per_rank * len(targets)
+    if total < num_logical_experts:
+        raise PlacementError(
+            f"{len(targets)} ranks x {slots_per_rank} slots = {total} slots cannot hold "
+            f"{num_logical_experts} experts; keep at least "
+            f"{-(-num_logical_experts // slots_per_rank)} ranks"
+        )
+
+
+def plan_placement(
+    *,
+    num_logical_experts: int,
+    slots_per_rank: int,
+    current: Placement,
+    target_ranks: Iterable[int],
+    source_ranks: Iterable[int] | None = None,
+    expert_load: Sequence[float] | Mapping[int, float] | None = None,
+    allow_reload: bool = False,
+) -> PlacementPlan:
+    """Place experts on ``target_ranks``, keeping what is already there where possible.
+
+    ``source_ranks`` are the ranks whose weights can be read (default: every rank in
+    ``current``); exclude failed ranks. A target rank that is not a source starts empty.
+    """
+    targets = sorted(target_ranks)
+    _validate(num_logical_experts, slots_per_rank, current, targets)
+    sources = set(current) if source_ranks is None else set(source_ranks)
+    loads = _loads(num_logical_experts, expert_load)
+
+    new: dict[int, list[int]] = {}
+    for rank in targets:
+        if rank in current and rank in sources:
+            new[rank] = list(current[rank])
+        else:
+            new[rank] = [EMPTY] * slots_per_rank
+    kept = {rank: list(slots) for rank, slots in new.items()}  # before any change
+
+    replicas = [0] * num_logical_experts
+    for slots in new.values():
+        for expert in slots:
+            if expert != EMPTY:
+                replicas[expert] += 1
+
+    empty = [(rank, slot) for rank in targets for slot, e in enumerate(new[rank]) if e == EMPTY]
+    missing = sorted(
+        (e for e in range(num_logical_experts) if replicas[e] == 0),
+        key=lambda e: (-loads[e], e),
+    )
+
+    # 1. Experts without replica: into empty slots first, then over a surplus replica.
+    empty_iter = iter(empty)
+    for expert in missing:
+        spot = next(empty_iter, None)
+        if spot is None:
+            spot = _evict_surplus_replica(new, replicas, loads)
+            replicas[new[spot[0]][spot[1]]] -= 1
+        new[spot[0]][spot[1]] = expert
+        replicas[expert] += 1
+
+    # 2. Remaining empty slots: more replicas of the most loaded experts per replica.
+    for rank, slot in empty_iter:
+        on_rank = set(new[rank])
+        expert = max(
+            range(num_logical_experts),
+            key=lambda e: (e not in on_rank, loads[e] / (replicas[e] + 1), -replicas[e], -e),
+        )
+        new[rank][slot] = expert
+        replicas[expert] += 1
+
+    moves, reloads = _source_moves(current, sources, kept, new, allow_reload)
+    return PlacementPlan(
+        placement={rank: tuple(slots) for rank, slots in new.items()},
+        moves=tuple(moves),
+        reloads=tuple(reloads),
+    )
+
+
+def _evict_surplus_replica(
+    new: dict[int, list[int]], replicas: list[int], loads: list[float]
+) -> tuple[int, int]:
+    """The slot whose expert loses least by giving up one replica (most replicas, least load)."""
+    best: tuple[int, int] | None = None
+    best_key: tuple[float, float] | None = None
+    for rank in sorted(new):
+        for slot, expert in enumerate(new[rank]):
+            if expert == EMPTY or replicas[expert] < 2:
+                continue
+            key = (loads[expert] / replicas[expert], -replicas[expert])
+            if best_key is None or key < best_key:
+                best, best_key = (rank, slot), key
+    if best is None:  # unreachable when total slots >= experts, kept as a guard
+        raise PlacementError("no surplus replica to evict; add ranks")
+    return best
+
+
+def _source_moves(
+    current: Placement,
+    sources: set[int],
+    kept: dict[int, list[int]],
+    new: dict[int, list[int]],
+    allow_reload: bool,
+) -> tuple[list[WeightMove], list[ExpertReload]]:
+    # Readable copies: source-rank slots whose content does not change in the new placement.
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for rank in sorted(current):
+        if rank not in sources:
+            continue
+        for slot, expert in enumerate(current[rank]):
+            if expert == EMPTY:
+                continue
+            if rank in new and new[rank][slot] != expert:
+                continue  # overwritten by this plan: not a safe source
+            holders.setdefault(expert, []).append((rank, slot))
+
+    outgoing: dict[int, int] = {}
+    moves: list[WeightMove] = []
+    reloads: list[ExpertReload] = []
+    for rank in sorted(new):
+        for slot, expert in enumerate(new[rank]):
+            if kept[rank][slot] == expert:
+                continue
+            candidates = holders.get(expert, [])
+            if not candidates:
+                if not allow_reload:
+                    raise PlacementError(
+                        f"expert {expert} has no copy on any source rank {sorted(sources)}; "
+                        "pass allow_reload=True to load it from the checkpoint or backup"
+                    )
+                reloads.append(ExpertReload(expert, rank, slot))
+                continue
+            local = [c for c in candidates if c[0] == rank]
+            src = local[0] if local else min(candidates, key=lambda c: (outgoing.get(c[0], 0), c))
+            outgoing[src[0]] = outgoing.get(src[0], 0) + 1
+            moves.append(WeightMove(expert, src[0], src[1], rank, slot))
+    return moves, reloads

@@ -1,0 +1,35 @@
+"""Collectives SGLang's DP-attention path reaches that assume a CUDA communicator."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def reduce_scatterv(
+    original: Callable,
+    group: Any,
+    input_: torch.Tensor,
+    output: torch.Tensor | None = None,
+    sizes: list[int] | None = None,
+) -> torch.Tensor:
+    """AROUND ``GroupCoordinator.reduce_scatterv``: on CPU tensors, all-reduce then keep this
+    rank's slice (upstream goes through pynccl, which does not exist on CPU)."""
+    if input_.device.type != "cpu":
+        return original(group, input_, output, sizes)
+    world = group.world_size
+    if sizes is None:
+        if input_.shape[0] % world:
+            raise ValueError(f"reduce_scatterv: {input_.shape[0]} rows do not split over {world}")
+        sizes = [input_.shape[0] // world] * world
+    if len(sizes) != world or sum(sizes) != input_.shape[0]:
+        raise ValueError(f"reduce_scatterv: sizes {sizes} do not cover {input_.shape[0]} rows")
+    reduced = group.all_reduce(input_.clone())
+    start = sum(sizes[: group.rank_in_group])
+    mine = reduced[start : start + sizes[group.rank_in_group]]
+    if output is None:
+        return mine.clone()
+    output.copy_(mine)
+    return output

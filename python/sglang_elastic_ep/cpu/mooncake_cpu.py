@@ -1,0 +1,89 @@
+"""Mooncake process groups on the CPU device (``--device cpu --elastic-ep-backend mooncake``).
+
+Upstream switches groups to Mooncake only for CUDA: ``_resolve_backend`` picks ``mooncake`` on
+``cuda`` alone, ``init_distributed_environment`` builds its options with a CUDA tensor, and
+``GroupCoordinator`` asks ``new_group`` for ``mooncake`` (the CUDA backend) for device groups.
+On CPU every group uses ``mooncake-cpu`` instead, with the same options, so membership calls
+(activate, deactivate, recover, join) work. Mooncake's collective timeout and fault window come
+from our flags (propagated to child processes through the environment).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENV_COLLECTIVE_TIMEOUT = "SGLANG_EEP_COLLECTIVE_TIMEOUT_S"
+ENV_FAULT_WINDOW = "SGLANG_EEP_FAULT_WINDOW_S"
+
+# init_distributed_environment's arguments that init_process_group needs but is not given.
+_world_options: dict[str, Any] = {}
+
+
+def _mooncake_on_cpu() -> bool:
+    from sglang.srt.runtime_context import get_exec
+
+    return get_exec().moe.elastic_ep_backend == "mooncake"
+
+
+def resolve_backend(result: str, *args: Any, device: str, **kwargs: Any) -> str:
+    """AFTER ``bootstrap._resolve_backend``: ``mooncake-cpu`` for the CPU device."""
+    if device == "cpu" and _mooncake_on_cpu():
+        return "mooncake-cpu"
+    return result
+
+
+def init_distributed_environment(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``init_distributed_environment``: remember the elastic sizing for WORLD."""
+    _world_options["recovered_rank"] = bool(kwargs.get("recovered_rank", False))
+    _world_options["max_world_size"] = kwargs.get("max_world_size")
+    _world_options["world_size"] = kwargs.get("world_size", args[0] if args else -1)
+    return original(*args, **kwargs)
+
+
+def apply_timeouts() -> None:
+    """Mooncake's timeouts are process-wide settings; apply ours before groups exist."""
+    from mooncake import pg
+
+    timeout = os.environ.get(ENV_COLLECTIVE_TIMEOUT)
+    window = os.environ.get(ENV_FAULT_WINDOW)
+    if timeout:
+        pg.set_collective_timeout_us(int(float(timeout) * 1e6))
+    if window:
+        pg.set_fault_reconciliation_window_us(int(float(window) * 1e6))
+
+
+def world_options(world_size: int) -> Any:
+    """Mooncake options for WORLD: an active-rank mask sized for the largest world."""
+    import torch
+    from mooncake.pg import MooncakeBackendOptions
+
+    max_world = _world_options.get("max_world_size")
+    recovered = _world_options.get("recovered_rank", False)
+    use_max = bool(max_world and max_world > world_size)
+    active = torch.zeros(max_world if use_max else world_size, dtype=torch.int32)
+    active[:world_size] = 1
+    if use_max:
+        return MooncakeBackendOptions(active, recovered, max_world)
+    return MooncakeBackendOptions(active, recovered)
+
+
+def init_process_group(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``torch.distributed.init_process_group``: options for ``mooncake-cpu`` WORLD."""
+    if kwargs.get("backend") == "mooncake-cpu":
+        apply_timeouts()
+        if kwargs.get("pg_options") is None:
+            kwargs["pg_options"] = world_options(int(kwargs["world_size"]))
+    return original(*args, **kwargs)
+
+
+def new_group(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``torch.distributed.new_group``: the CUDA ``mooncake`` backend becomes
+    ``mooncake-cpu`` (GroupCoordinator hard-codes it for device groups)."""
+    if kwargs.get("backend") == "mooncake":
+        kwargs["backend"] = "mooncake-cpu"
+    return original(*args, **kwargs)

@@ -1,0 +1,350 @@
+"""SGLang 0.5.23 adapter for the NIXL data plane: hooks that only delegate.
+
+Everything that decides anything lives in :mod:`sglang_elastic_ep.backends.nixl_membership`
+(connect/disconnect ordering) and :mod:`sglang_elastic_ep.backends.active_ranks_mirror` (host-side
+active-rank mask). This module wires them onto upstream objects; it does not register anything
+itself. :data:`HOOKS` lists ``(target, fn, HookType name, reason)`` for the plugin's hook table::
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    for target, fn, kind, _reason in HOOKS:
+        HookRegistry.register(target, fn, HookType[kind])
+
+SGLang is imported lazily, inside the functions that need it, so this module imports without it.
+
+Upstream facts this relies on (``srt/layers/moe/token_dispatcher/nixl.py``,
+``srt/elastic_ep/elastic_ep.py``, ``srt/model_executor/model_runner.py``):
+
+* ``NixlEPBuffer`` keeps its state on ``ctx.resources.buffers["nixl_ep_state"]`` (a
+  ``SimpleNamespace``); we add a ``membership`` attribute to it.
+* ``NixlEPBuffer.get_nixl_buffer`` is called at the start of every dispatch and combine. Upstream
+  creates the buffer there and lazily ``connect_ranks`` when ``scale_to > connected_ep_size``; it
+  never disconnects.
+* ``NixlEPBuffer.on_scale(from, to)`` is reached through ``ElasticEPStateManager.on_scale``,
+  which ``ModelRunner._finalize_scale_up`` calls after ``try_admit_scale_ranks`` (Mooncake
+  ``activate_ranks``) and after ``sync_active_to_cpu`` has set the joiners to 1.
+* ``ElasticEPState.is_active_equal_last`` (``torch.equal`` on two CUDA tensors) runs after every
+  forward once ``--elastic-ep-backend`` is set: a host-device sync per forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sglang_elastic_ep.backends.active_ranks_mirror import ActiveRanksMirror
+from sglang_elastic_ep.backends.nixl_membership import BufferSizing, NixlMembership
+
+logger = logging.getLogger(__name__)
+
+_NIXL = "sglang.srt.layers.moe.token_dispatcher.nixl.NixlEPBuffer"
+_STATE = "sglang.srt.elastic_ep.elastic_ep.ElasticEPState"
+_RECOVER = "sglang.srt.elastic_ep.elastic_ep.maybe_recover_ep_ranks"
+
+_MIRROR_ATTR = "_elastic_ep_mirror"
+
+
+# ------------------------------------------------------------------------ membership plumbing
+
+
+def _refresh_tcp_store(buffer: Any) -> None:
+    """Upstream hands the buffer the current global TCPStore before every connect."""
+    from sglang.srt.distributed.utils import get_global_tcp_store
+
+    store = get_global_tcp_store()
+    if store is not None:
+        buffer.set_tcp_store_group(store)
+
+
+def membership_of(state: Any) -> NixlMembership:
+    """The membership stored on upstream's ``nixl_ep_state`` namespace (created on first use)."""
+    m = getattr(state, "membership", None)
+    if m is None:
+
+        def mirror_sizes(mm: NixlMembership) -> None:
+            # Upstream's dispatch reads these after get_nixl_buffer() returns.
+            state.connected_ep_size = mm.connected_ep_size
+            state.scale_to = mm.scale_to
+            state.dispatch_ep_size = mm.connected_ep_size
+
+        m = NixlMembership(before_connect=_refresh_tcp_store, on_applied=mirror_sizes)
+        state.membership = m
+    return m
+
+
+def _nixl_state() -> Any:
+    from sglang.srt.layers.moe.token_dispatcher.nixl import NixlEPBuffer
+
+    return NixlEPBuffer._state()
+
+
+def mark_ranks_activated(ranks: Iterable[int]) -> None:
+    """For the plugin's control path: Mooncake ``activate_ranks`` returned for ``ranks``."""
+    membership_of(_nixl_state()).mark_activated(ranks)
+
+
+def mark_ranks_drained(ranks: Iterable[int]) -> None:
+    """For the plugin's scale-down: ``ranks`` have no tokens in flight. Call before on_scale."""
+    membership_of(_nixl_state()).mark_drained(ranks)
+
+
+def _active_ranks_cpu() -> list[int] | None:
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+
+    inst = ElasticEPStateManager.instance()
+    if inst is None or inst.active_ranks_cpu is None:
+        return None
+    return [int(v) for v in inst.active_ranks_cpu.tolist()]
+
+
+def nixl_on_scale(
+    cls: Any,
+    from_ep_size: int,
+    to_ep_size: int,
+    *,
+    active_ranks_cpu: Callable[[], list[int] | None] = _active_ranks_cpu,
+) -> None:
+    """REPLACE for ``NixlEPBuffer.on_scale``: record the target, never connect here.
+
+    On growth, the joining ranks count as activated when the host copy of the active-rank mask
+    already shows them (upstream sets it right after ``activate_ranks``); an ``on_scale`` reached
+    before that (e.g. from an HTTP handler) raises ``MembershipOrderError`` instead of hanging
+    the next dispatch. On shrink, the plugin must have called :func:`mark_ranks_drained`.
+    """
+    state = cls._state()
+    m = membership_of(state)
+    if to_ep_size > from_ep_size:
+        mask = active_ranks_cpu()
+        if mask is not None:
+            m.mark_activated(
+                r for r in range(from_ep_size, to_ep_size) if r < len(mask) and mask[r]
+            )
+    m.on_scale(to_ep_size)
+    if m.buffer is None:
+        # Before the first dispatch upstream's creation path reads these.
+        state.scale_to = to_ep_size
+        state.dispatch_ep_size = to_ep_size
+
+
+def nixl_get_nixl_buffer(
+    cls: Any,
+    group: Any,
+    hidden_size: int,
+    deepep_mode: Any,
+    num_max_dispatch_tokens_per_rank: int = -1,
+    num_experts: int = -1,
+    num_local_experts: int = -1,
+) -> Any:
+    """REPLACE for ``NixlEPBuffer.get_nixl_buffer`` (called before every dispatch/combine).
+
+    Idle cost: the state lookup upstream does anyway plus one integer comparison.
+    """
+    state = cls._state()
+    if state.buffer is not None:
+        state.membership.ensure_connected()
+        return state.buffer
+    return _create_buffer(
+        state,
+        group,
+        hidden_size,
+        deepep_mode,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        num_local_experts,
+    )
+
+
+def _create_buffer(
+    state: Any,
+    group: Any,
+    hidden_size: int,
+    deepep_mode: Any,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    num_local_experts: int,
+) -> Any:
+    """Upstream's creation path, with sizing and the first connect owned by the membership."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.utils import get_global_tcp_store
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+    from sglang.srt.layers.moe.token_dispatcher.nixl import _load_nixl_ep
+    from sglang.srt.runtime_context import get_parallel
+
+    buffer_cls, _ = _load_nixl_ep()
+    if deepep_mode.enable_normal():
+        raise NotImplementedError("Normal mode is not supported for Nixl EP yet.")
+    if not deepep_mode.enable_low_latency():
+        raise ValueError(f"unsupported deepep mode {deepep_mode}")
+    if num_max_dispatch_tokens_per_rank <= 0 or num_experts <= 0 or num_local_experts <= 0:
+        raise ValueError(
+            "NIXL EP needs num_max_dispatch_tokens_per_rank, num_experts and num_local_experts"
+        )
+    state.hidden_size = hidden_size
+    state.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+    state.num_experts = num_experts
+    state.num_local_experts = num_local_experts
+
+    rank = dist.get_rank(group)
+    world_size = dist.get_world_size(group)
+    offset = ElasticEPStateManager.get_ep_join_rank_offset()
+    global_rank = rank + offset
+    max_ep_size = get_parallel().max_ep_size or world_size
+    sizing = BufferSizing(
+        max_ep_size=max_ep_size,
+        num_local_experts=num_local_experts,
+        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+        hidden_size=hidden_size,
+    )
+    tcp_store = get_global_tcp_store()
+    if tcp_store is None:
+        raise RuntimeError(
+            "Global TCPStore is not initialized. "
+            "Make sure init_distributed_environment was called before using NIXL EP."
+        )
+    logger.info(
+        "[elastic-ep][nixl] creating buffer: rank=%d global_rank=%d max_ep_size=%d "
+        "local_experts=%d max_experts=%d",
+        rank,
+        global_rank,
+        max_ep_size,
+        num_local_experts,
+        sizing.max_num_experts,
+    )
+    buffer = buffer_cls(rank=global_rank, tcp_store_group=tcp_store)
+    sizing.allocate(buffer, buffer_cls.get_rdma_size_hint)
+    state.buffer = buffer
+    state.sizing = sizing
+    m = membership_of(state)
+    m.attach(buffer, rank=global_rank, max_ep_size=max_ep_size, initial_ep_size=offset + world_size)
+    m.ensure_connected()
+    return buffer
+
+
+# ------------------------------------------------------------------------ active-rank mirror
+
+
+def mirror_of(owner: Any) -> ActiveRanksMirror:
+    """The mirror of ``owner.active_ranks`` (an ``ElasticEPState`` or a ``GroupCoordinator``).
+
+    Built on first use from ``owner.active_ranks_cpu``, which upstream keeps on the host.
+    """
+    mirror = getattr(owner, _MIRROR_ATTR, None)
+    if mirror is None:
+        device_mask = owner.active_ranks
+        cpu = owner.active_ranks_cpu
+        mirror = ActiveRanksMirror(
+            int(device_mask.numel()),
+            cpu if cpu is not None else None,
+            device_mask=device_mask,
+        )
+        setattr(owner, _MIRROR_ATTR, mirror)
+    return mirror
+
+
+def state_is_active_equal_last(self: Any) -> bool:
+    """REPLACE for ``ElasticEPState.is_active_equal_last``: read the mirror, never the GPU.
+
+    Folds in the device snapshot queued on an earlier call (if complete) and queues the next.
+    """
+    mirror = mirror_of(self)
+    mirror.poll_refresh()
+    mirror.refresh_async()
+    return not mirror.changed_since_snapshot()
+
+
+def state_after_snapshot_active_to_last(result: Any, self: Any) -> None:
+    """AFTER ``ElasticEPState.snapshot_active_to_last``: the mirror snapshots at the next
+    ``sync_active_to_cpu`` (upstream always pairs the two), when it learns the new mask."""
+    mirror_of(self).snapshot_on_next_set()
+    return None
+
+
+def state_after_sync_active_to_cpu(result: Any, self: Any) -> None:
+    """AFTER ``ElasticEPState.sync_active_to_cpu``: a membership event; the host copy is fresh."""
+    if self.active_ranks_cpu is not None:
+        mirror_of(self).set_mask(self.active_ranks_cpu)
+    return None
+
+
+def _upstream_elastic_ep() -> Any:
+    from sglang.srt.elastic_ep import elastic_ep
+
+    return elastic_ep
+
+
+def maybe_recover_ep_ranks(
+    *,
+    tp_group: Any,
+    eplb_manager: Any,
+    model_config: Any,
+    moe_ep_rank: int,
+) -> bool:
+    """REPLACE for ``elastic_ep.maybe_recover_ep_ranks``: upstream's logic, reading the mirror.
+
+    Upstream reads ``tp_group.active_ranks`` (CUDA) with ``.all()`` and ``.cpu()`` on every
+    forward while a rank is missing. Here the missing ranks come from the mirror of that tensor
+    (refreshed without blocking) and the host mask; the collective steps are upstream's own.
+    """
+    ee = _upstream_elastic_ep()
+    mirror = mirror_of(tp_group)
+    mirror.poll_refresh()
+    mirror.refresh_async()
+    cpu = tp_group.active_ranks_cpu
+    cpu_vals = cpu.tolist() if cpu is not None else [1] * mirror.size
+    ranks_to_recover = [
+        i
+        for i in range(mirror.size)
+        if not (mirror.is_active(i) and (i >= len(cpu_vals) or cpu_vals[i]))
+    ]
+    if not ranks_to_recover or not ee.try_recover_ranks(ranks_to_recover):
+        return False
+    eplb_manager.reset_generator()
+    ee.broadcast_global_expert_location_metadata(
+        model_config=model_config,
+        moe_ep_rank=moe_ep_rank,
+        src_rank=ee.get_healthy_expert_location_src_rank(invoked_in_elastic_ep_rejoin_path=False),
+    )
+    ee.ElasticEPStateManager.instance().reset()
+    mirror.set_active(ranks_to_recover)
+    logger.info("recover ranks %s done", ranks_to_recover)
+    return True
+
+
+HOOKS: list[tuple[str, Callable[..., Any], str, str]] = [
+    (
+        f"{_NIXL}.on_scale",
+        nixl_on_scale,
+        "REPLACE",
+        "record the target size only; connect/disconnect happen at the next dispatch, in order",
+    ),
+    (
+        f"{_NIXL}.get_nixl_buffer",
+        nixl_get_nixl_buffer,
+        "REPLACE",
+        "buffer pre-sized for --max-ep-size; membership connects, and disconnects on scale-down",
+    ),
+    (
+        f"{_STATE}.is_active_equal_last",
+        state_is_active_equal_last,
+        "REPLACE",
+        "per-forward check reads the host mirror instead of torch.equal on CUDA tensors",
+    ),
+    (
+        f"{_STATE}.snapshot_active_to_last",
+        state_after_snapshot_active_to_last,
+        "AFTER",
+        "keep the mirror's snapshot in step with last_active_ranks",
+    ),
+    (
+        f"{_STATE}.sync_active_to_cpu",
+        state_after_sync_active_to_cpu,
+        "AFTER",
+        "membership event: refresh the mirror from the host copy upstream just made",
+    ),
+    (
+        _RECOVER,
+        maybe_recover_ep_ranks,
+        "REPLACE",
+        "recovery poll reads the mirror of tp_group.active_ranks, no .all()/.cpu() per forward",
+    ),
+]
