@@ -65,10 +65,10 @@ class ScaleRequest(_Strict):
     """Body of ``POST /scale_elastic_ep``: scale to an absolute number of EP ranks."""
 
     new_ep_size: int | None = Field(
-        default=None, description="Target number of EP ranks (absolute, not a delta)."
+        default=None, ge=1, description="Target number of EP ranks (absolute, not a delta)."
     )
     new_tp_size: int | None = Field(
-        default=None, description="Alias of new_ep_size used by the upstream RFC."
+        default=None, ge=1, description="Alias of new_ep_size used by the upstream RFC."
     )
     operation_id: str | None = Field(
         default=None,
@@ -181,7 +181,7 @@ def describe_validation_error(exc: ValidationError) -> ErrorResponse:
         elif err["type"] == "string_too_long":
             details.append(f"{loc} is longer than {ID_MAX_LENGTH} characters; shorten it")
         elif err["type"] == "model_type":
-            details.append("the body must be a JSON object such as {\"new_ep_size\": 4}")
+            details.append('the body must be a JSON object such as {"new_ep_size": 4}')
         elif loc and err["type"] not in _SELF_DESCRIBING_ERRORS:
             details.append(f"{loc}: {err['msg']}")
         else:
@@ -286,6 +286,7 @@ class HealthResponse(_Strict):
 
 
 class _EventBase(_Strict):
+    type: str  # narrowed to a Literal by every concrete event
     event_id: int = Field(ge=1, description="Monotonic per instance; use as SSE Last-Event-ID.")
     time: float
     instance_id: str

@@ -77,9 +77,7 @@ class Autoscaler:
         load = total / shards
 
         self._up_streak = self._up_streak + 1 if load > cfg.target_load * cfg.up_ratio else 0
-        self._down_streak = (
-            self._down_streak + 1 if load < cfg.target_load * cfg.down_ratio else 0
-        )
+        self._down_streak = self._down_streak + 1 if load < cfg.target_load * cfg.down_ratio else 0
         if sample.now < self._quiet_until:
             return None
 

@@ -85,7 +85,7 @@ class EventLog:
 def format_sse(event: EventModel) -> str:
     """One SSE frame: ``id:``, ``event:`` and a single-line JSON ``data:`` field."""
     # model_dump_json emits no newlines, so one data: line carries the whole event.
-    return f"id: {event.event_id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"  # type: ignore[attr-defined]
+    return f"id: {event.event_id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"
 
 
 def format_sse_comment(text: str = "keepalive") -> str:

@@ -46,12 +46,12 @@ def classify_expert_latency(
     latencies: Mapping[int, float | None], *, threshold: float = 3.0
 ) -> tuple[dict[int, bool], float | None]:
     """Healthy flag per expert and the median used; experts without a sample count healthy."""
-    measured = [v for v in latencies.values() if _valid(v)]
+    measured = [v for v in latencies.values() if v is not None and _valid(v)]
     if not measured:
         return {e: True for e in latencies}, None
-    median = statistics.median(measured)  # type: ignore[type-var]
+    median = statistics.median(measured)
     limit = threshold * median
-    healthy = {e: (not _valid(v)) or v <= limit for e, v in latencies.items()}  # type: ignore[operator]
+    healthy = {e: v is None or not _valid(v) or v <= limit for e, v in latencies.items()}
     return healthy, median
 
 

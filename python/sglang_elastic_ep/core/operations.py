@@ -33,12 +33,12 @@ from sglang_elastic_ep.core.api_models import (
     OperationStatus,
     PhaseTimestamp,
     RejectionReason,
+    SafeToTerminateEvent,
     ScaleCommittedEvent,
     ScaleFailedEvent,
     ScaleRequest,
     ScaleRequestedEvent,
     ScaleResponse,
-    SafeToTerminateEvent,
     StatusResponse,
 )
 from sglang_elastic_ep.core.events import EventLog
@@ -375,9 +375,7 @@ class OperationRegistry:
         op = self._current
         if op is None or op.operation_id != operation_id:
             running = op.operation_id if op else "none"
-            raise UnknownOperation(
-                f"operation {operation_id} is not running (running: {running})"
-            )
+            raise UnknownOperation(f"operation {operation_id} is not running (running: {running})")
         return op
 
     # --- reads --------------------------------------------------------------------------

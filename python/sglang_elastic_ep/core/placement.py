@@ -77,9 +77,7 @@ def replica_table(placement: Placement, slots_per_rank: int) -> ReplicaTable:
     for rank in sorted(placement):
         slots = placement[rank]
         if len(slots) != slots_per_rank:
-            raise PlacementError(
-                f"rank {rank} has {len(slots)} slots, expected {slots_per_rank}"
-            )
+            raise PlacementError(f"rank {rank} has {len(slots)} slots, expected {slots_per_rank}")
         for slot, expert in enumerate(slots):
             physical = rank * slots_per_rank + slot
             physical_to_rank[physical] = rank
@@ -89,7 +87,9 @@ def replica_table(placement: Placement, slots_per_rank: int) -> ReplicaTable:
     return ReplicaTable(logical_to_physical, physical_to_logical, physical_to_rank)
 
 
-def _loads(num_experts: int, expert_load: Sequence[float] | Mapping[int, float] | None) -> list[float]:
+def _loads(
+    num_experts: int, expert_load: Sequence[float] | Mapping[int, float] | None
+) -> list[float]:
     if expert_load is None:
         return [1.0] * num_experts
     if isinstance(expert_load, Mapping):
@@ -116,9 +116,7 @@ def _validate(
         raise PlacementError(f"target_ranks has duplicates: {targets}")
     for rank, slots in current.items():
         if len(slots) != slots_per_rank:
-            raise PlacementError(
-                f"rank {rank} has {len(slots)} slots, expected {slots_per_rank}"
-            )
+            raise PlacementError(f"rank {rank} has {len(slots)} slots, expected {slots_per_rank}")
         bad = [e for e in slots if e != EMPTY and not 0 <= e < num_logical_experts]
         if bad:
             raise PlacementError(

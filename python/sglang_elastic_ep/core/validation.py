@@ -166,8 +166,7 @@ def validate_scale(
         ok=True,
         status=int(HTTPStatus.OK),
         message=(
-            f"Scaling initiated from {current_size} to {target}, draining ranks "
-            f"{_ranks(leaving)}"
+            f"Scaling initiated from {current_size} to {target}, draining ranks {_ranks(leaving)}"
         ),
         direction=ScaleDirection.DOWN,
         leaving_ranks=leaving,

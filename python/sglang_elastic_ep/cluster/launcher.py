@@ -1,0 +1,248 @@
+"""Start, stop and kill real SGLang server processes on CPU (one log file per process).
+
+A primary server runs N EP ranks (DP attention, one DP shard per rank). Joiners are separate
+server processes started with ``--ep-join-mode scale|recover`` that attach to the primary's
+``--dist-init-addr``. Everything started here is tracked by pid and torn down on exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from sglang_elastic_ep.cluster.procs import free_port, kill_tree, process_tree
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
+
+# Settings every CPU server gets: the CPU engine, UCX on loopback for NIXL, unbuffered logs.
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "UCX_MODULES": "^ib",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_TLS": "tcp",
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+@dataclass
+class ClusterSpec:
+    """What to launch. ``ep_size`` ranks, each its own DP-attention shard."""
+
+    model_path: Path
+    ep_size: int = 2
+    max_ep_size: int | None = None
+    elastic: bool = True  # --elastic-ep-backend mooncake
+    moe_a2a_backend: str = "none"
+    max_total_tokens: int = 4096
+    collective_timeout_s: float = 2.0
+    fault_window_s: float = 3.0
+    extra_args: list[str] = field(default_factory=list)
+    log_dir: Path = DEFAULT_LOG_DIR
+    ready_timeout_s: float = 300.0
+
+
+def base_server_args(spec: ClusterSpec, port: int) -> list[str]:
+    args = [
+        "--model-path", str(spec.model_path),
+        "--device", "cpu",
+        "--dtype", "float32",
+        "--attention-backend", "torch_native",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-total-tokens", str(spec.max_total_tokens),
+        "--cuda-graph-backend-decode", "disabled",
+        "--cuda-graph-backend-prefill", "disabled",
+        "--skip-server-warmup",
+    ]
+    if spec.ep_size > 1 or spec.max_ep_size:
+        args += [
+            "--tp", str(spec.ep_size),
+            "--ep", str(spec.ep_size),
+            "--dp", str(spec.ep_size),
+            "--enable-dp-attention",
+            "--load-balance-method", "round_robin",
+        ]
+    if spec.elastic:
+        args += [
+            "--elastic-ep-backend", "mooncake",
+            "--elastic-ep-collective-timeout", str(spec.collective_timeout_s),
+            "--elastic-ep-fault-window", str(spec.fault_window_s),
+        ]
+    if spec.max_ep_size:
+        args += ["--max-ep-size", str(spec.max_ep_size)]
+    if spec.moe_a2a_backend != "none":
+        args += ["--moe-a2a-backend", spec.moe_a2a_backend]
+    return args + list(spec.extra_args)
+
+
+class ServerProcess:
+    """One ``sglang.launch_server`` process (and its children), started in its own session."""
+
+    def __init__(self, name: str, args: list[str], port: int, log_dir: Path, cpus: int) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}-{port}.log"
+        env = {**os.environ, **CPU_ENV}
+        # One OMP thread set per rank; ranks share the machine's cores round-robin.
+        ncores = max(1, os.cpu_count() or 1)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % ncores) for i in range(cpus))
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.pid = self.popen.pid
+        _LIVE.add(self)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(line for line in text if "is ignored: it is neither" not in line)[-8000:] \
+            if lines <= 0 else "\n".join(text[-lines:])
+
+    def wait_ready(self, timeout_s: float, path: str = "/health_generate") -> None:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.popen.returncode} before ready; log "
+                        f"{self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(self.url + path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready in {timeout_s} s; log {self.log_path}")
+
+    def scheduler_pids(self) -> dict[int, int]:
+        """EP rank -> pid of its scheduler process (read from the process titles SGLang sets)."""
+        ranks: dict[int, int] = {}
+        for proc in process_tree(self.pid):
+            try:
+                title = " ".join(proc.cmdline())
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if not title.startswith("sglang::scheduler"):
+                continue
+            match = re.search(r"_EP(\d+)", title) or re.search(r"_DP(\d+)", title)
+            ranks[int(match.group(1)) if match else 0] = proc.pid
+        return ranks
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        kill_tree(self.pid, grace_s=grace_s)
+        self.popen.wait(timeout=10)
+        self._log.close()
+        _LIVE.discard(self)
+
+
+_LIVE: set[ServerProcess] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for server in list(_LIVE):
+        try:
+            server.stop(grace_s=3.0)
+        except Exception:  # best effort at interpreter exit
+            pass
+
+
+class LocalCluster:
+    """A primary server plus joiners; a context manager that tears everything down."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.primary: ServerProcess | None = None
+        self.joiners: list[ServerProcess] = []
+        self.dist_port = 0
+
+    @property
+    def url(self) -> str:
+        assert self.primary is not None, "cluster not started"
+        return self.primary.url
+
+    def start(self, wait: bool = True) -> LocalCluster:
+        port = free_port()
+        self.dist_port = free_port()
+        args = base_server_args(self.spec, port)
+        if self.spec.elastic:
+            args += ["--dist-init-addr", f"127.0.0.1:{self.dist_port}"]
+        self.primary = ServerProcess(
+            f"primary-ep{self.spec.ep_size}", args, port, self.spec.log_dir, self.spec.ep_size
+        )
+        if wait:
+            self.primary.wait_ready(self.spec.ready_timeout_s)
+        return self
+
+    def start_joiner(self, mode: str, rank_offset: int, size: int = 1) -> ServerProcess:
+        """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size)."""
+        if mode not in ("scale", "recover"):
+            raise ValueError(f"join mode must be 'scale' or 'recover', got {mode!r}")
+        port = free_port()
+        args = base_server_args(self.spec, port)
+        args[args.index("--tp") + 1] = str(size)
+        args[args.index("--ep") + 1] = str(size)
+        args[args.index("--dp") + 1] = str(size)
+        args += [
+            "--dist-init-addr", f"127.0.0.1:{self.dist_port}",
+            "--ep-join-mode", mode,
+            "--nnodes", "2", "--node-rank", "1",
+        ]
+        if mode == "scale":
+            args += ["--elastic-ep-join-rank-offset", str(rank_offset)]
+        joiner = ServerProcess(f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size)
+        self.joiners.append(joiner)
+        return joiner
+
+    def kill_rank(self, ep_rank: int) -> int:
+        """SIGKILL the scheduler process of one EP rank of the primary; returns its pid."""
+        assert self.primary is not None
+        pids = self.primary.scheduler_pids()
+        if ep_rank not in pids:
+            raise KeyError(f"no scheduler for EP rank {ep_rank}; have {sorted(pids)}")
+        psutil.Process(pids[ep_rank]).kill()
+        return pids[ep_rank]
+
+    def stop(self) -> None:
+        errors = []
+        for server in [*self.joiners, self.primary]:
+            if server is None:
+                continue
+            try:
+                server.stop()
+            except Exception as exc:  # keep tearing down the others
+                errors.append(exc)
+        self.joiners.clear()
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,66 @@
+"""A 2-rank EP server on CPU (Mooncake process groups) serves exactly what a 1-rank server does.
+
+Greedy decoding of a fixed prompt set in float32: an expert computed on no rank or on two ranks
+changes the hidden states by a whole expert's output and flips tokens, so exact equality of the
+token ids is a real check of routing and placement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sglang_elastic_ep.cluster import ClusterSpec, LocalCluster
+from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate
+
+MAX_NEW_TOKENS = 16
+
+
+def greedy_outputs(url: str) -> tuple[dict[str, list[int]], set[int | None]]:
+    outputs: dict[str, list[int]] = {}
+    shards: set[int | None] = set()
+    with httpx.Client() as client:
+        for prompt in DEFAULT_PROMPTS:
+            result = generate(client, url, prompt, MAX_NEW_TOKENS)
+            assert result.ok, f"{prompt!r}: {result.status} {result.error}"
+            assert len(result.output_ids) == MAX_NEW_TOKENS
+            outputs[prompt] = result.output_ids
+            shards.add(result.dp_rank)
+    return outputs, shards
+
+
+def chat(url: str) -> str:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello world question"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    return choice["message"]["content"]
+
+
+@pytest.mark.timeout(900)
+def test_two_rank_ep_server_matches_one_rank(tiny_model: Path) -> None:
+    with LocalCluster(ClusterSpec(tiny_model, ep_size=1, elastic=False)) as one:
+        reference, _ = greedy_outputs(one.url)
+        reference_chat = chat(one.url)
+
+    with LocalCluster(ClusterSpec(tiny_model, ep_size=2)) as two:
+        info = httpx.get(two.url + "/server_info", timeout=30).json()
+        assert info["ep_size"] == 2 and info["tp_size"] == 2
+        assert info.get("attn_dp_size", info.get("dp_size")) == 2, "one DP shard per rank"
+        assert info["elastic_ep_backend"] == "mooncake"
+        assert len(two.primary.scheduler_pids()) == 2
+        outputs, shards = greedy_outputs(two.url)
+        two_chat = chat(two.url)
+
+    assert shards == {0, 1}, f"round-robin should use both DP shards, saw {shards}"
+    mismatched = {p: (reference[p], outputs[p]) for p in reference if reference[p] != outputs[p]}
+    assert not mismatched, f"2-rank EP differs from 1 rank: {mismatched}"
+    assert two_chat == reference_chat

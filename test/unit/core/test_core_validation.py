@@ -1,0 +1,102 @@
+import pytest
+from sglang_elastic_ep.core.api_models import RejectionReason
+from sglang_elastic_ep.core.validation import ScaleDirection, ScaleTopology, validate_scale
+
+TOPO = ScaleTopology(max_ep_size=8)
+
+
+def test_scale_up_lists_joining_ranks_and_says_it_started() -> None:
+    v = validate_scale(3, current_size=2, topology=TOPO)
+    assert v.ok and v.status == 200 and v.direction is ScaleDirection.UP
+    assert v.joining_ranks == (2,)
+    assert v.message == "Scaling initiated from 2 to 3, polling for new ranks"
+
+
+def test_scale_down_removes_tail_ranks() -> None:
+    v = validate_scale(2, current_size=4, topology=TOPO)
+    assert v.ok and v.direction is ScaleDirection.DOWN and v.leaving_ranks == (2, 3)
+    assert "draining ranks [2, 3]" in v.message
+
+
+def test_same_size_is_a_noop_answered_ok() -> None:
+    v = validate_scale(4, current_size=4, topology=TOPO)
+    assert v.ok and v.status == 200 and v.direction is ScaleDirection.NOOP
+    assert "nothing to do" in v.message
+
+
+@pytest.mark.parametrize(
+    "target, reason, hint",
+    [
+        (0, RejectionReason.INVALID_TARGET, "at least 1"),
+        (9, RejectionReason.EXCEEDS_MAX_EP_SIZE, "restart with a larger --max-ep-size"),
+    ],
+)
+def test_out_of_range_targets(target: int, reason: RejectionReason, hint: str) -> None:
+    v = validate_scale(target, current_size=4, topology=TOPO)
+    assert not v.ok and v.status == 400 and v.reason is reason and hint in v.message
+
+
+def test_incomplete_attention_replica_suggests_neighbours() -> None:
+    topo = ScaleTopology(max_ep_size=8, attn_replica_size=2)
+    v = validate_scale(5, current_size=4, topology=topo)
+    assert v.status == 400 and v.reason is RejectionReason.INCOMPLETE_ATTENTION_REPLICA
+    assert "multiple of 2 (e.g. 4 or 6)" in v.message
+    assert validate_scale(6, current_size=4, topology=topo).ok
+
+
+def test_expert_capacity_sets_the_minimum_size() -> None:
+    topo = ScaleTopology(max_ep_size=8, num_logical_experts=10, slots_per_rank=4)
+    assert topo.min_ep_size == 3
+    v = validate_scale(2, current_size=4, topology=topo)
+    assert v.status == 400 and v.reason is RejectionReason.TOO_FEW_EXPERT_SLOTS
+    assert "no lower than 3" in v.message
+    assert validate_scale(3, current_size=4, topology=topo).ok
+
+
+def test_min_size_rounds_up_to_whole_replicas() -> None:
+    topo = ScaleTopology(
+        max_ep_size=8, attn_replica_size=2, num_logical_experts=10, slots_per_rank=4
+    )
+    assert topo.min_ep_size == 4
+
+
+def test_topology_rejects_max_not_multiple_of_replica() -> None:
+    with pytest.raises(ValueError):
+        ScaleTopology(max_ep_size=5, attn_replica_size=2)
+
+
+def test_scale_up_with_failed_rank_is_a_conflict_naming_the_rank() -> None:
+    v = validate_scale(5, current_size=4, topology=TOPO, failed_ranks=[1])
+    assert v.status == 409 and v.reason is RejectionReason.FAILED_RANKS_PRESENT
+    assert "recover or remove rank(s) [1] first" in v.message
+    assert "--elastic-ep-join-mode recover" in v.message
+
+
+def test_scale_up_with_failed_tail_rank_also_offers_removal() -> None:
+    v = validate_scale(5, current_size=4, topology=TOPO, failed_ranks=[3])
+    assert v.status == 409 and "scaling down to 3" in v.message
+
+
+def test_only_scale_down_removing_exactly_the_failed_tail_is_allowed() -> None:
+    ok = validate_scale(2, current_size=4, topology=TOPO, failed_ranks=[2, 3])
+    assert ok.ok and ok.leaving_ranks == (2, 3)
+    too_far = validate_scale(1, current_size=4, topology=TOPO, failed_ranks=[2, 3])
+    assert too_far.status == 409 and too_far.reason is RejectionReason.MUST_REMOVE_FAILED_RANKS
+    assert "scale down to exactly 2" in too_far.message
+    too_short = validate_scale(3, current_size=4, topology=TOPO, failed_ranks=[2, 3])
+    assert too_short.status == 409 and "exactly 2" in too_short.message
+
+
+def test_failed_rank_not_at_tail_can_only_be_recovered() -> None:
+    v = validate_scale(3, current_size=4, topology=TOPO, failed_ranks=[0])
+    assert v.status == 409 and v.reason is RejectionReason.MUST_REMOVE_FAILED_RANKS
+    assert "relaunch them with --elastic-ep-join-mode recover" in v.message
+
+
+def test_failed_ranks_outside_current_size_are_ignored() -> None:
+    assert validate_scale(5, current_size=4, topology=TOPO, failed_ranks=[6]).ok
+
+
+def test_noop_is_allowed_even_with_failed_ranks() -> None:
+    v = validate_scale(4, current_size=4, topology=TOPO, failed_ranks=[3])
+    assert v.ok and v.direction is ScaleDirection.NOOP
