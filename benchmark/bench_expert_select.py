@@ -104,6 +104,7 @@ def bench_one(
     outs: list[tuple[torch.Tensor, torch.Tensor]],
     tables: tuple[torch.Tensor, ...],
     use_out: bool,
+    eager: bool = True,
 ) -> tuple[float, float]:
     """(graph seconds per call, eager seconds per call)."""
 
@@ -128,13 +129,59 @@ def bench_one(
         for i in range(calls):
             call(i)
     graph_s = time_per_call(graph.replay, calls)
+    if not eager:
+        return graph_s, float("nan")
 
-    def eager() -> None:
+    def run_eager() -> None:
         for i in range(calls):
             call(i)
 
-    eager_s = time_per_call(eager, calls)
+    eager_s = time_per_call(run_eager, calls)
     return graph_s, eager_s
+
+
+def make_sets(
+    num_tokens: int, top_k: int, num_logical: int, l2: int
+) -> tuple[list[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]], int]:
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    per_set = num_tokens * top_k * 4 * 2 + num_tokens
+    n_sets = max(2, min(64, math.ceil(2 * l2 / max(per_set, 1))))
+    sets = [
+        [
+            torch.randint(0, num_logical, (num_tokens, top_k), device="cuda", generator=g).to(
+                torch.int32
+            )
+        ]
+        for _ in range(n_sets)
+    ]
+    outs = [
+        (
+            torch.empty((num_tokens, top_k), dtype=torch.int32, device="cuda"),
+            torch.empty(num_tokens, dtype=torch.bool, device="cuda"),
+        )
+        for _ in range(n_sets)
+    ]
+    return sets, outs, per_set
+
+
+def sweep(args: argparse.Namespace, tables: tuple[torch.Tensor, ...]) -> None:
+    from functools import partial
+
+    from sglang_elastic_ep_kernels._expert_select_triton import select_physical_experts_triton
+
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+    for num_tokens in [int(t) for t in args.tokens.split(",")]:
+        sets, outs, per_set = make_sets(num_tokens, args.top_k, args.logical, l2)
+        results = []
+        for block_t in (8, 16, 32, 64, 128, 256):
+            for num_warps in (1, 2, 4, 8):
+                fn = partial(select_physical_experts_triton, block_t=block_t, num_warps=num_warps)
+                graph_s, _ = bench_one(fn, sets, outs, tables, use_out=True, eager=False)
+                results.append((graph_s * 1e6, block_t, num_warps))
+        results.sort()
+        best = ", ".join(f"{t:.2f} us (block_t={b}, warps={w})" for t, b, w in results[:4])
+        worst = results[-1]
+        print(f"T={num_tokens}: best {best}; worst {worst[0]:.2f} us {worst[1:]}", flush=True)
 
 
 def main() -> None:
@@ -147,6 +194,9 @@ def main() -> None:
     p.add_argument("--dead-ranks", default="3", help="comma-separated; empty for none")
     p.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument(
+        "--sweep", action="store_true", help="time kernel launch configs instead (no write)"
+    )
     args = p.parse_args()
 
     if not torch.cuda.is_available():
@@ -163,26 +213,13 @@ def main() -> None:
     print(f"device: {device_name}; peak HBM {peak / 1e12 if peak else float('nan'):.2f} TB/s")
     print(f"torch {torch.__version__}, triton {triton.__version__}")
 
+    if args.sweep:
+        sweep(args, tables)
+        return
+
     rows = []
     for num_tokens in [int(t) for t in args.tokens.split(",")]:
-        g = torch.Generator(device="cuda").manual_seed(num_tokens)
-        per_set = num_tokens * args.top_k * 4 * 2 + num_tokens
-        n_sets = max(2, min(64, math.ceil(2 * l2 / max(per_set, 1))))
-        sets = [
-            [
-                torch.randint(
-                    0, args.logical, (num_tokens, args.top_k), device="cuda", generator=g
-                ).to(torch.int32)
-            ]
-            for _ in range(n_sets)
-        ]
-        outs = [
-            (
-                torch.empty((num_tokens, args.top_k), dtype=torch.int32, device="cuda"),
-                torch.empty(num_tokens, dtype=torch.bool, device="cuda"),
-            )
-            for _ in range(n_sets)
-        ]
+        sets, outs, per_set = make_sets(num_tokens, args.top_k, args.logical, l2)
         kern = select_physical_experts(sets[0][0], *tables)
         ref = select_physical_experts_reference(sets[0][0], *tables)
         torch.cuda.synchronize()

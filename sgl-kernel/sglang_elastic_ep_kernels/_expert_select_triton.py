@@ -137,8 +137,14 @@ def select_physical_experts_triton(
     *,
     out: torch.Tensor | None = None,
     flag_out: torch.Tensor | None = None,
+    block_t: int | None = None,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel. Host side reads only shapes, never values: graph-capturable."""
+    """Launch the kernel. Host side reads only shapes, never values: graph-capturable.
+
+    ``block_t`` (tokens per program, a power of two) and ``num_warps`` are tuning knobs for the
+    benchmark's sweep; the defaults come from it.
+    """
     _check_inputs(topk_ids, replica_table, replica_counts, slot_to_rank, active_mask)
     num_tokens, top_k = topk_ids.shape
     num_logical, r_max = replica_table.shape
@@ -162,7 +168,8 @@ def select_physical_experts_triton(
 
     mask = active_mask.view(torch.uint8) if active_mask.dtype == torch.bool else active_mask
     k_pad = triton.next_power_of_2(top_k)
-    block_t = max(1, min(256, 2048 // k_pad))
+    if block_t is None:
+        block_t = max(1, min(256, 2048 // k_pad))
     grid = (triton.cdiv(num_tokens, block_t),)
     _select_kernel[grid](
         topk_ids,
@@ -184,6 +191,6 @@ def select_physical_experts_triton(
         K_PAD=k_pad,
         R=r_max,
         BLOCK_T=block_t,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out, flag_out

@@ -52,6 +52,10 @@ TOP_K = 8
 MAX_EP = 4
 ROUNDS = 2
 STORE_TIMEOUT = timedelta(seconds=150)
+# --fixed-layout: dispatch with num_experts for --max-ep-size ranks (a layout that does not change
+# with the EP size, as a CUDA graph captured before a scale needs) instead of upstream's
+# num_local_experts * current size.
+FIXED_LAYOUT = False
 
 
 def load_nixl_ep() -> Any:
@@ -168,6 +172,7 @@ def serve(
         m.ensure_connected()  # exactly where the plugin's get_nixl_buffer calls it
         assert m.connected_ep_size == n, (m.connected_ep_size, n)
         num_experts = sizing.dispatch_num_experts(n)
+        dispatch_experts = sizing.dispatch_num_experts(n, fixed_layout=FIXED_LAYOUT)
         inputs = {r: make_inputs(phase, rnd, r, num_experts, expert_ranks) for r in ranks}
         x, topk, weights = (t.cuda() for t in inputs[rank])
         topk = topk.to(getattr(nixl_ep, "topk_idx_t", torch.int64))
@@ -175,7 +180,7 @@ def serve(
             x,
             topk,
             MAX_TOKENS,
-            num_experts,
+            dispatch_experts,
             use_fp8=False,
             async_finish=False,
             return_recv_hook=False,
@@ -219,7 +224,7 @@ def serve(
         label=label,
         ranks=ranks,
         rounds=rounds,
-        num_experts=sizing.dispatch_num_experts(n),
+        num_experts=sizing.dispatch_num_experts(n, fixed_layout=FIXED_LAYOUT),
         mask=masked,
     )
 
@@ -339,7 +344,10 @@ def main() -> None:
     p.add_argument("--leave-phase", type=int, default=None)
     p.add_argument("--grace", type=float, default=5.0)
     p.add_argument("--hang-timeout", type=float, default=240.0)
+    p.add_argument("--fixed-layout", action="store_true")
     args = p.parse_args()
+    global FIXED_LAYOUT
+    FIXED_LAYOUT = args.fixed_layout
     faulthandler.dump_traceback_later(args.hang_timeout, exit=True)
 
     torch.cuda.set_device(0)

@@ -29,6 +29,8 @@ import torch
 WORKER = Path(__file__).with_name("_nixl_ep_worker.py")
 DEADLINE_S = 420.0
 GRACE_S = 5.0
+# Experiments: EEP_NIXL_WORKER_ARGS="--fixed-layout --hang-timeout 90" passes flags to workers.
+EXTRA_WORKER_ARGS = os.environ.get("EEP_NIXL_WORKER_ARGS", "").split()
 
 
 def free_port() -> int:
@@ -55,7 +57,7 @@ class Cluster:
         out = (self.tmp / f"{name}.out").open("wb")
         self.procs[name] = subprocess.Popen(
             [sys.executable, str(WORKER), "--port", str(self.port), "--log-dir", str(self.tmp)]
-            + ["--grace", str(GRACE_S), *args],
+            + ["--grace", str(GRACE_S), *EXTRA_WORKER_ARGS, *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -33,6 +33,9 @@ CPU_ENV = {
     "PYTHONUNBUFFERED": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
+    # Several ranks share 2 cores: OpenMP's spinning worker threads in every process would
+    # fight each other (a tiny matmul then takes milliseconds). One thread per rank.
+    "OMP_NUM_THREADS": "1",
 }
 
 

@@ -55,11 +55,18 @@ def kill_tree(pid: int, grace_s: float = 10.0) -> None:
         except (ProcessLookupError, PermissionError):
             pass
         _, alive = psutil.wait_procs(procs, timeout=grace_s if sig == signal.SIGTERM else 5.0)
-        procs = alive
+        procs = [p for p in alive if not _is_zombie(p)]  # a zombie waits for its parent only
         if not procs:
             return
     if procs:
         raise RuntimeError(f"processes survived SIGKILL: {[p.pid for p in procs]}")
+
+
+def _is_zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def wait_gone(pid: int, timeout_s: float) -> bool:
