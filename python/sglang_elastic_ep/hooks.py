@@ -53,7 +53,7 @@ HOOKS: tuple[Hook, ...] = (
          "copies our flags onto ServerArgs and resolves --ep-join-mode vs --elastic-ep-join-mode"),
     # --- CPU engine ------------------------------------------------------------------------
     Hook(f"{S}distributed.bootstrap._resolve_backend", "cpu.mooncake_cpu:resolve_backend",
-         "AFTER", "cpu", "upstream picks the mooncake backend only on CUDA; CPU needs mooncake-cpu"),
+         "AFTER", "cpu", "upstream picks the mooncake backend only on CUDA; CPU wants mooncake-cpu"),
     Hook(f"{S}distributed.parallel_state.init_distributed_environment",
          "cpu.mooncake_cpu:init_distributed_environment", "AROUND", "cpu",
          "remembers max_world_size/recovered_rank so WORLD on mooncake-cpu gets elastic options"),
@@ -75,7 +75,7 @@ HOOKS: tuple[Hook, ...] = (
 
 IMPORT_SHIMS: tuple[ImportShim, ...] = (
     ImportShim("sgl_kernel", "cpu.sgl_kernel_ops:install", "cpu",
-               "the CPU build of sgl_kernel is not on PyPI: torch versions of the ops SGLang calls"),
+               "the CPU sgl_kernel build is not on PyPI: torch versions of the ops SGLang calls"),
     ImportShim("torchvision", "cpu.torchvision_shim:install", "cpu",
                "PyPI torchvision is a CUDA build that cannot import beside CPU torch; SGLang "
                "imports it at module level for image models we never serve on CPU"),

@@ -1,11 +1,12 @@
 """Triton kernel for :func:`sglang_elastic_ep_kernels.select_physical_experts`.
 
 One program handles ``BLOCK_T`` tokens x all ``K`` top-k positions (padded to a power of two), so
-the per-token flag is a reduction inside the program. The replica loop is unrolled over
-``R_max`` (a compile-time constant; EPLB tables have a handful of replicas per expert): a first
-pass counts the live replicas, a second takes live replica number ``hash % count``. The small
-tables (replicas, slot -> rank, mask) stay in L1/L2; the traffic is the top-k ids in and the
-physical ids and flags out.
+the per-token flag is a reduction inside the program. Programs are small (16-32 tokens): the
+work per element is a chain of dependent gathers, so many programs in flight hide more latency.
+The replica loop is unrolled over ``R_max`` (a compile-time constant; EPLB tables have a handful
+of replicas per expert): a first pass counts the live replicas, a second takes live replica
+number ``hash % count``. The small tables (replicas, slot -> rank, mask) stay in L1/L2; the
+traffic is the top-k ids in and the physical ids and flags out.
 """
 
 from __future__ import annotations
@@ -169,7 +170,10 @@ def select_physical_experts_triton(
     mask = active_mask.view(torch.uint8) if active_mask.dtype == torch.bool else active_mask
     k_pad = triton.next_power_of_2(top_k)
     if block_t is None:
-        block_t = max(1, min(256, 2048 // k_pad))
+        # From the sweep on an H100 (benchmark --sweep, K=8): small programs win because the
+        # kernel is bound by its chain of dependent gathers (ids -> replicas -> ranks -> mask),
+        # not by bandwidth: 16 tokens/program up to ~16k tokens, 32 beyond.
+        block_t = max(1, (128 if num_tokens <= 16384 else 256) // k_pad)
     grid = (triton.cdiv(num_tokens, block_t),)
     _select_kernel[grid](
         topk_ids,

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from sglang_elastic_ep.backends.active_ranks_mirror import ActiveRanksMirror
 from sglang_elastic_ep.sglang import nixl_buffer_hooks as hooks
 

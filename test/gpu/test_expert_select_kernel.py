@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+
 from sglang_elastic_ep_kernels import (
     build_replica_table,
     select_physical_experts,

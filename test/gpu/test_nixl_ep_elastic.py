@@ -53,11 +53,11 @@ class Cluster:
         self.tmp, self.port = tmp, port
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def launch(self, name: str, *args: str) -> None:
+    def launch(self, name: str, *args: str, extra: list[str] | None = None) -> None:
         out = (self.tmp / f"{name}.out").open("wb")
         self.procs[name] = subprocess.Popen(
             [sys.executable, str(WORKER), "--port", str(self.port), "--log-dir", str(self.tmp)]
-            + ["--grace", str(GRACE_S), *EXTRA_WORKER_ARGS, *args],
+            + ["--grace", str(GRACE_S), *EXTRA_WORKER_ARGS, *(extra or []), *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -104,8 +104,13 @@ def first(events: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
     raise AssertionError(f"no event {match}")
 
 
-def test_phases_2_3_2_3_with_real_nixl_ep(tmp_path: Path, cuda: None) -> None:
+@pytest.mark.parametrize("layout", ["upstream", "fixed"])
+def test_phases_2_3_2_3_with_real_nixl_ep(tmp_path: Path, cuda: None, layout: str) -> None:
+    """``upstream``: dispatch with num_experts for the connected ranks (as SGLang 0.5.23);
+    ``fixed``: num_experts for --max-ep-size ranks in every phase (a layout that a CUDA graph
+    captured before the scale can keep)."""
     require_nixl_ep()
+    extra = ["--fixed-layout"] if layout == "fixed" else []
     port = free_port()
     store = torch.distributed.TCPStore(  # noqa: F841  (the master must outlive the workers)
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
@@ -113,22 +118,24 @@ def test_phases_2_3_2_3_with_real_nixl_ep(tmp_path: Path, cuda: None) -> None:
     cluster = Cluster(tmp_path, port)
     deadline = time.monotonic() + DEADLINE_S
     try:
-        cluster.launch("rank0", "--rank", "0", "--role", "founder")
-        cluster.launch("rank1", "--rank", "1", "--role", "founder")
+        cluster.launch("rank0", "--rank", "0", "--role", "founder", extra=extra)
+        cluster.launch("rank1", "--rank", "1", "--role", "founder", extra=extra)
         cluster.launch(
             "rank2a", "--rank", "2", "--role", "joiner", "--tag", "a",
-            "--join-phase", "1", "--leave-phase", "2",
+            "--join-phase", "1", "--leave-phase", "2", extra=extra,
         )  # fmt: skip
         cluster.wait(["rank2a"], deadline)
         # The orchestrator starts a replacement only after the removed rank is gone.
         cluster.launch(
-            "rank2b", "--rank", "2", "--role", "joiner", "--tag", "b", "--join-phase", "3"
-        )
+            "rank2b", "--rank", "2", "--role", "joiner", "--tag", "b", "--join-phase", "3",
+            extra=extra,
+        )  # fmt: skip
         cluster.wait(["rank0", "rank1", "rank2b"], deadline)
     finally:
         cluster.kill_all()
 
     ev = load_events(tmp_path)
+    print(f"\nlayout={layout}")
     print("\n".join(f"{e['t']:.3f} rank{e['rank']}{e['tag']} {e['event']}" for e in ev))
 
     # Every phase was served and checked on every rank that took part in it.
@@ -140,6 +147,10 @@ def test_phases_2_3_2_3_with_real_nixl_ep(tmp_path: Path, cuda: None) -> None:
         assert (r, "", 1, "serving_while_joiner_loads") in ok
         assert (r, "", 3, "serving_while_joiner_loads") in ok
     assert {(2, "a", 1, "serve"), (2, "a", 2, "drain"), (2, "b", 3, "serve")} <= ok
+    # num_experts passed to dispatch: always 4 ranks x 8 (fixed) or 8 x the connected ranks.
+    assert all(
+        (e["num_experts"] == 32) == (layout == "fixed") for e in ev if e["event"] == "phase_ok"
+    )
 
     for r in (0, 1):
         act1 = first(ev, rank=r, event="activated", phase=1)

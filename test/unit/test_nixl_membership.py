@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from sglang_elastic_ep.backends.nixl_membership import (
     BufferSizing,
     MembershipOrderError,
@@ -513,3 +514,55 @@ def test_adapter_hook_table_names_real_upstream_targets() -> None:
             ]
             assert found, f"{target}: {name} not found in {path}"
             node = found[0]
+
+
+# ----------------------------------------------------------------------------- host mirror (CPU)
+
+
+def test_mirror_hooks_follow_events_and_device_faults_on_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from sglang_elastic_ep.sglang import nixl_buffer_hooks as hooks
+
+    active = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
+    state = SimpleNamespace(
+        active_ranks=active, last_active_ranks=active.clone(), active_ranks_cpu=active.clone()
+    )
+    assert hooks.state_is_active_equal_last(state)
+    active[1] = 0  # fault written into the (here: CPU) device mask
+    assert not hooks.state_is_active_equal_last(state)
+    # upstream's reaction: snapshot, then copy to host -> quiet again
+    hooks.state_after_snapshot_active_to_last(None, state)
+    state.active_ranks_cpu = active.clone()
+    hooks.state_after_sync_active_to_cpu(None, state)
+    assert hooks.state_is_active_equal_last(state)
+    assert hooks.mirror_of(state).inactive_ranks() == [1, 3]
+
+    group = SimpleNamespace(
+        active_ranks=torch.ones(3, dtype=torch.int32),
+        active_ranks_cpu=torch.ones(3, dtype=torch.int32),
+    )
+    calls: list[list[int]] = []
+    done: list[str] = []
+    ready = {"now": False}
+    upstream = SimpleNamespace(
+        try_recover_ranks=lambda ranks: calls.append(list(ranks)) or ready["now"],
+        broadcast_global_expert_location_metadata=lambda **kw: done.append("broadcast"),
+        get_healthy_expert_location_src_rank=lambda **kw: 0,
+        ElasticEPStateManager=SimpleNamespace(
+            instance=lambda: SimpleNamespace(reset=lambda: done.append("reset"))
+        ),
+    )
+    monkeypatch.setattr(hooks, "_upstream_elastic_ep", lambda: upstream)
+    eplb = SimpleNamespace(reset_generator=lambda: done.append("eplb"))
+    kw = dict(tp_group=group, eplb_manager=eplb, model_config=None, moe_ep_rank=0)
+    assert hooks.maybe_recover_ep_ranks(**kw) is False and calls == []
+    group.active_ranks[2] = 0  # Mooncake evicted rank 2
+    assert hooks.maybe_recover_ep_ranks(**kw) is False and calls == [[2]]
+    ready["now"] = True  # the replacement joined
+    group.active_ranks[2] = 1
+    group.active_ranks_cpu[2] = 0  # host copy still stale: upstream ANDs both
+    assert hooks.maybe_recover_ep_ranks(**kw) is True
+    assert calls[-1] == [2] and done == ["eplb", "broadcast", "reset"]

@@ -121,4 +121,4 @@ def longest_gap(results: list[RequestResult], start: float, end: float) -> float
     """Longest time between consecutive successful completions within [start, end]."""
     times = sorted(r.finished for r in results if r.ok and start <= r.finished <= end)
     points = [start, *times, end]
-    return max(b - a for a, b in zip(points, points[1:]))
+    return max(b - a for a, b in zip(points, points[1:], strict=False))

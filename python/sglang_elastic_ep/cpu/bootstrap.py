@@ -32,7 +32,8 @@ def _preload_cuda_stand_ins() -> None:
         pass
     site = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     cudart = site / "site-packages" / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12"
-    for lib in (cudart, stubs / "libcuda.so.1", stubs / "libc10_cuda.so", stubs / "libtorch_cuda.so"):
+    names = ("libcuda.so.1", "libc10_cuda.so", "libtorch_cuda.so")
+    for lib in (cudart, *(stubs / name for name in names)):
         if lib.exists():
             ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 

@@ -32,7 +32,7 @@ def assign_req_to_token_pool_cpu(
     ends = end_offset.tolist()
     rows = req_pool_indices.tolist()
     offset = 0
-    for row, start, end in zip(rows, starts, ends):
+    for row, start, end in zip(rows, starts, ends, strict=True):
         n = end - start
         req_to_token[row, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
         offset += n

@@ -14,7 +14,7 @@ from typing import Any
 EXTRA_FLAGS: dict[str, tuple[str, Any, type, str]] = {
     "--ep-join-mode": (
         "eep_join_mode_alias", None, str,
-        "RFC name of --elastic-ep-join-mode: 'scale' (new rank) or 'recover' (replace a failed one)",
+        "RFC name of --elastic-ep-join-mode: 'scale' (a new rank) or 'recover' (a failed one)",
     ),
     "--elastic-ep-drain-timeout": (
         "elastic_ep_drain_timeout", 120.0, float,

@@ -7,6 +7,7 @@ covers every interleaving allowed by "a write in pass p is visible to all by pas
 import random
 
 import pytest
+
 from sglang_elastic_ep.core.agreement import Decision, InMemoryKVStore, Intent, RankAgreement
 
 DT = 0.05  # seconds per forward pass

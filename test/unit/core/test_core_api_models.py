@@ -2,6 +2,7 @@ import json
 
 import pytest
 from pydantic import ValidationError
+
 from sglang_elastic_ep.core.api_models import (
     EVENT_ADAPTER,
     RankFailedEvent,

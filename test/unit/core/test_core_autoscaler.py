@@ -1,4 +1,5 @@
 import pytest
+
 from sglang_elastic_ep.core.autoscaler import Autoscaler, AutoscalerConfig, LoadSample
 
 CFG = AutoscalerConfig(

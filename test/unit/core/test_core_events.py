@@ -3,6 +3,7 @@ import threading
 import time
 
 import pytest
+
 from sglang_elastic_ep.core.api_models import (
     EVENT_ADAPTER,
     RankFailedEvent,

@@ -1,6 +1,7 @@
 import math
 
 import pytest
+
 from sglang_elastic_ep.core.health import (
     HealthConfig,
     RankHealthMonitor,

@@ -1,4 +1,5 @@
 import pytest
+
 from sglang_elastic_ep.core.api_models import RankState
 from sglang_elastic_ep.core.membership import Membership
 

@@ -1,6 +1,7 @@
 import threading
 
 import pytest
+
 from sglang_elastic_ep.core.api_models import (
     OperationKind,
     OperationResult,

@@ -1,4 +1,5 @@
 import pytest
+
 from sglang_elastic_ep.core.phases import (
     INITIAL_PHASE,
     TERMINAL_PHASES,

@@ -3,6 +3,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from sglang_elastic_ep.core.placement import (
     EMPTY,
     PlacementError,

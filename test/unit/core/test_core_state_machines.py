@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+
 from sglang_elastic_ep.core.agreement import InMemoryKVStore, Intent, RankAgreement
 from sglang_elastic_ep.core.phases import IllegalTransition, Phase
 from sglang_elastic_ep.core.state_machines import (

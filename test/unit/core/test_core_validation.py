@@ -1,4 +1,5 @@
 import pytest
+
 from sglang_elastic_ep.core.api_models import RejectionReason
 from sglang_elastic_ep.core.validation import ScaleDirection, ScaleTopology, validate_scale
 

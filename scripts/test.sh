@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# README command 2 (and CI): set up .venv if needed, lint, run the whole suite.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh test/unit -x`).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+export SGLANG_USE_CPU_ENGINE=1  # in-process SGLang imports need the CPU shims at startup
+start=$(date +%s)
+.venv/bin/ruff check python test benchmark sgl-kernel
+.venv/bin/python -m sglang_elastic_ep.cpu.tiny_model >/dev/null
+.venv/bin/python -m pytest -q -rs -p no:cacheprovider --timeout=1200 "${@:-test}"
+echo "test suite: $(( $(date +%s) - start )) s"
