@@ -53,7 +53,7 @@ HOOKS: tuple[Hook, ...] = (
          "copies our flags onto ServerArgs and resolves --ep-join-mode vs --elastic-ep-join-mode"),
     # --- CPU engine ------------------------------------------------------------------------
     Hook(f"{S}distributed.bootstrap._resolve_backend", "cpu.mooncake_cpu:resolve_backend",
-         "AFTER", "cpu", "upstream picks the mooncake backend only on CUDA; CPU wants mooncake-cpu"),
+         "AFTER", "cpu", "upstream picks the mooncake backend only on CUDA; CPU: mooncake-cpu"),
     Hook(f"{S}distributed.parallel_state.init_distributed_environment",
          "cpu.mooncake_cpu:init_distributed_environment", "AROUND", "cpu",
          "remembers max_world_size/recovered_rank so WORLD on mooncake-cpu gets elastic options"),
