@@ -157,10 +157,14 @@ class ScaleResponse(_Strict):
 
 
 class ErrorResponse(_Strict):
-    """A request body that could not be parsed or validated (HTTP 400)."""
+    """A request that could not be parsed, validated or authorized (HTTP 400, 401, 413)."""
 
     error: str
     details: list[str] = Field(default_factory=list)
+    operation_id: str | None = Field(
+        default=None, description="The request's operation_id when it could be read."
+    )
+    instance_id: str | None = Field(default=None, description="The server's instance_id.")
 
 
 # Our own errors already name the field and the fix.

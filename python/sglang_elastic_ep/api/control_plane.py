@@ -1,0 +1,398 @@
+"""The seam between the HTTP API and the engine.
+
+``ControlPlane`` is what the routes, the webhook and the metrics see. ``InProcessControlPlane``
+implements it on top of the pure core (``OperationRegistry``, ``EventLog``, ``Membership``,
+``RankHealthMonitor``) and talks to the engine through two narrow paths:
+
+- down: an injectable async ``engine`` callback, awaited once per started operation (the lead
+  wires it to SGLang's schedulers over ZMQ); it should return once the schedulers have the
+  order, not when the operation is done;
+- up: ``record_phase()``, ``finish_operation()``, ``report_rank_joined()``,
+  ``report_rank_failed()``, ``report_recovery_required()``, ``report_rank_recovered()``,
+  ``report_recovery_phase()`` and ``observe_health()``, called as the engine makes progress.
+
+Everything is thread-safe, so the up-calls may come from a ZMQ receive thread or from the
+HTTP server's event loop. Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from sglang_elastic_ep.core.api_models import (
+    HealthResponse,
+    OperationKind,
+    RankFailedEvent,
+    RankJoinedEvent,
+    RankRecoveredEvent,
+    RecoveryRequiredEvent,
+    SafeToTerminateEvent,
+    ScaleRequest,
+    ScaleResponse,
+    StatusResponse,
+)
+from sglang_elastic_ep.core.events import EventLog
+from sglang_elastic_ep.core.health import HealthConfig, RankHealthMonitor, RecoveryRequired
+from sglang_elastic_ep.core.membership import Membership
+from sglang_elastic_ep.core.operations import Operation, OperationRegistry
+from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.core.validation import ScaleTopology, validate_scale
+
+if TYPE_CHECKING:
+    from sglang_elastic_ep.api.metrics import ElasticEPMetrics
+
+logger = logging.getLogger(__name__)
+
+# Awaited with the operation that admission just started (a copy: id, kind, sizes, ranks).
+EngineCallback = Callable[[Operation], Awaitable[None]]
+
+# Phases of the recovery machine that the status shows while no scale operation runs.
+RECOVERY_PHASES = frozenset(
+    {
+        Phase.ISOLATING_FAULT,
+        Phase.SERVING_DEGRADED,
+        Phase.REJOINING,
+        Phase.RESTORING_EXPERTS,
+        Phase.SERVING_RECOVERED,
+    }
+)
+
+
+@dataclass(frozen=True)
+class ScaleAnswer:
+    """What ``POST /scale_elastic_ep`` sends back: an HTTP status and the body."""
+
+    status: int
+    response: ScaleResponse
+    started: bool = False  # this request created a new running operation
+
+
+@runtime_checkable
+class ControlPlane(Protocol):
+    """What the HTTP adapters need from the engine side."""
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def events(self) -> EventLog: ...
+
+    async def request_scale(self, request: ScaleRequest) -> ScaleAnswer: ...
+
+    def status(self) -> StatusResponse: ...
+
+    def health(self) -> HealthResponse: ...
+
+
+class InProcessControlPlane:
+    """Registry + event log + membership + health, driven by an injectable engine callback."""
+
+    def __init__(
+        self,
+        *,
+        topology: ScaleTopology,
+        initial_ep_size: int,
+        engine: EngineCallback | None = None,
+        instance_id: str | None = None,
+        events: EventLog | None = None,
+        history_size: int = 20,
+        event_capacity: int = 1024,
+        health_config: HealthConfig | None = None,
+        metrics: ElasticEPMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+        new_operation_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> None:
+        self._instance_id = instance_id or uuid.uuid4().hex
+        self._topology = topology
+        self._engine = engine
+        self._clock = clock
+        self._events = events or EventLog(self._instance_id, capacity=event_capacity, clock=clock)
+        if self._events.instance_id != self._instance_id:
+            raise ValueError(
+                f"event log instance {self._events.instance_id} != control plane "
+                f"instance {self._instance_id}"
+            )
+        self._registry = OperationRegistry(
+            self._instance_id,
+            history_size=history_size,
+            events=self._events,
+            clock=clock,
+            new_operation_id=new_operation_id,
+        )
+        self._membership = Membership(max_size=topology.max_ep_size, effective_size=initial_ep_size)
+        self._health = RankHealthMonitor(range(initial_ep_size), health_config)
+        self._health_snapshot: HealthResponse | None = None
+        self._recovery_phase: Phase | None = None
+        self._metrics = metrics
+        # Guards membership, health and the recovery phase; never held across an await.
+        self._lock = threading.RLock()
+        self.refresh_metrics()
+
+    # --- ControlPlane -------------------------------------------------------------------
+
+    @property
+    def instance_id(self) -> str:
+        return self._instance_id
+
+    @property
+    def events(self) -> EventLog:
+        return self._events
+
+    @property
+    def registry(self) -> OperationRegistry:
+        return self._registry
+
+    @property
+    def topology(self) -> ScaleTopology:
+        return self._topology
+
+    @property
+    def membership(self) -> Membership:
+        with self._lock:
+            return self._membership
+
+    async def request_scale(self, request: ScaleRequest) -> ScaleAnswer:
+        """Validate and admit ``request``; hand a started operation to the engine."""
+        with self._lock:
+            current = self._membership.effective_size
+            verdict = validate_scale(
+                request.target_ep_size,
+                current_size=current,
+                topology=self._topology,
+                failed_ranks=self._membership.failed,
+            )
+            admission = self._registry.admit(request, verdict, current_size=current)
+            if admission.started:
+                assert admission.operation is not None
+                self._apply_start_locked(admission.operation)
+        answer = ScaleAnswer(
+            status=admission.status,
+            response=admission.to_response(self._instance_id),
+            started=admission.started,
+        )
+        if not admission.started:
+            return answer
+        self.refresh_metrics()
+        op = admission.operation
+        assert op is not None
+        if self._engine is None:
+            return answer
+        try:
+            await self._engine(op)
+        except Exception as exc:  # noqa: BLE001 - any engine failure fails the operation
+            logger.exception("elastic EP: engine refused operation %s", op.operation_id)
+            error = f"the engine could not start the operation: {type(exc).__name__}: {exc}"
+            self.finish_operation(op.operation_id, error=error)
+            body = answer.response.model_copy(
+                update={
+                    "accepted": False,
+                    "phase": Phase.FAILED,
+                    "message": (
+                        f"{error}; operation {op.operation_id} is recorded as failed and "
+                        "nothing changed: check the server log, then retry with a new "
+                        "operation_id"
+                    ),
+                }
+            )
+            return ScaleAnswer(status=int(HTTPStatus.SERVICE_UNAVAILABLE), response=body)
+        return answer
+
+    def status(self) -> StatusResponse:
+        with self._lock:
+            status = self._registry.status(self._membership)
+            if status.current_operation is None and self._recovery_phase is not None:
+                status = status.model_copy(update={"phase": self._recovery_phase})
+            return status
+
+    def health(self) -> HealthResponse:
+        with self._lock:
+            if self._health_snapshot is not None:
+                return self._health_snapshot
+            return self._health.to_response(self._instance_id)
+
+    # --- engine -> control plane --------------------------------------------------------
+
+    def record_phase(self, operation_id: str, phase: Phase) -> None:
+        """The running operation entered ``phase`` (repeats are ignored)."""
+        self._registry.record_phase(operation_id, phase)
+        self.refresh_metrics()
+
+    def finish_operation(
+        self,
+        operation_id: str,
+        *,
+        error: str | None = None,
+        failed_in: Phase | None = None,
+        safe_to_terminate: Iterable[int] | None = None,
+    ) -> Operation:
+        """End the running operation: committed when ``error`` is None, failed otherwise.
+
+        Membership follows: a committed scale-up makes ``[old, new)`` active, a committed
+        scale-down releases ``[new, old)`` (listed as safe to terminate); a failed operation
+        leaves the old size. ``safe_to_terminate`` overrides which ranks may be deleted; by
+        default a committed scale-down's leaving ranks and a failed scale-up's joining ranks
+        (they never became part of the serving group).
+        """
+        op = self._registry.finish(operation_id, error=error, failed_in=failed_in)
+        release: frozenset[int]
+        if safe_to_terminate is not None:
+            release = frozenset(safe_to_terminate)
+        elif op.kind is OperationKind.SCALE_DOWN and error is None:
+            release = frozenset(op.ranks)
+        elif op.kind is OperationKind.SCALE_UP and error is not None:
+            release = frozenset(op.ranks)
+        else:
+            release = frozenset()
+        with self._lock:
+            m = self._membership
+            if error is None and op.kind is OperationKind.SCALE_UP:
+                m = replace(m, effective_size=op.new_ep_size, pending_size=None)
+            elif error is None and op.kind is OperationKind.SCALE_DOWN:
+                m = replace(
+                    m,
+                    effective_size=op.new_ep_size,
+                    leaving=frozenset(),
+                    failed=frozenset(r for r in m.failed if r < op.new_ep_size),
+                )
+            else:
+                m = replace(m, pending_size=None, leaving=frozenset())
+            m = replace(m, safe_to_terminate=m.safe_to_terminate | release)
+            self._membership = m
+            self._health.set_ranks(range(m.effective_size))
+            for rank in op.ranks:
+                self._health.clear(rank)
+        # The registry already announced a committed scale-down's leaving ranks.
+        announced = frozenset(op.ranks) if op.kind is OperationKind.SCALE_DOWN and not error else ()
+        extra = sorted(release - frozenset(announced))
+        if extra:
+            self._events.emit(SafeToTerminateEvent, operation_id=op.operation_id, ranks=extra)
+        if self._metrics is not None:
+            self._metrics.observe_operation(op.to_status())
+        self.refresh_metrics()
+        return op
+
+    def report_rank_joined(self, ranks: Iterable[int], operation_id: str | None = None) -> None:
+        """Joining ranks connected (before the commit); informational."""
+        self._events.emit(RankJoinedEvent, operation_id=operation_id, ranks=sorted(ranks))
+
+    def report_rank_failed(
+        self, ranks: Iterable[int], reason: str, operation_id: str | None = None
+    ) -> None:
+        """Ranks in ``[0, effective)`` died or were isolated; they stay failed until recovered."""
+        failed = sorted(set(ranks))
+        with self._lock:
+            self._membership = replace(
+                self._membership, failed=self._membership.failed | frozenset(failed)
+            )
+        self._events.emit(
+            RankFailedEvent, operation_id=operation_id, ranks=failed, reason=reason
+        )
+        self.refresh_metrics()
+
+    def report_recovery_required(
+        self,
+        ranks: Iterable[int],
+        reason: str,
+        *,
+        suggested_action: str | None = None,
+        operation_id: str | None = None,
+    ) -> None:
+        """Tell orchestrators to relaunch ``ranks`` in recover mode or to scale them away."""
+        decision = RecoveryRequired(ranks=tuple(sorted(set(ranks))), reason=reason)
+        self._events.emit(
+            RecoveryRequiredEvent,
+            operation_id=operation_id,
+            ranks=list(decision.ranks),
+            reason=reason,
+            suggested_action=suggested_action or decision.suggested_action,
+        )
+
+    def report_rank_recovered(
+        self, ranks: Iterable[int], operation_id: str | None = None
+    ) -> None:
+        """Replacements for failed ranks joined; they serve again."""
+        recovered = sorted(set(ranks))
+        with self._lock:
+            m = self._membership
+            self._membership = replace(m, failed=m.failed - frozenset(recovered))
+            for rank in recovered:
+                self._health.clear(rank)
+            if not self._membership.failed_in_range():
+                self._recovery_phase = None
+        self._events.emit(RankRecoveredEvent, operation_id=operation_id, ranks=recovered)
+        self.refresh_metrics()
+
+    def report_recovery_phase(self, phase: Phase | None) -> None:
+        """Phase of the recovery machine, shown by status while no scale operation runs."""
+        if phase is not None and phase not in RECOVERY_PHASES:
+            raise ValueError(f"{phase.value} is not a recovery phase")
+        with self._lock:
+            self._recovery_phase = phase
+        self.refresh_metrics()
+
+    def set_membership(self, membership: Membership) -> None:
+        """Replace the membership with the engine's view (e.g. after a restart)."""
+        if membership.max_size != self._topology.max_ep_size:
+            raise ValueError(
+                f"membership max_size {membership.max_size} != --max-ep-size "
+                f"{self._topology.max_ep_size}"
+            )
+        with self._lock:
+            self._membership = membership
+            self._health.set_ranks(range(membership.effective_size))
+        self.refresh_metrics()
+
+    def forget_safe_to_terminate(self, ranks: Iterable[int]) -> None:
+        """The orchestrator deleted these released ranks; stop listing them."""
+        with self._lock:
+            m = self._membership
+            self._membership = replace(m, safe_to_terminate=m.safe_to_terminate - set(ranks))
+
+    def observe_health(
+        self,
+        *,
+        alive: Mapping[int, bool],
+        expert_latency: Mapping[int, float | None],
+        expert_rank: Mapping[int, int],
+    ) -> RecoveryRequired | None:
+        """One health check; emits ``recovery_required`` for newly hard-blocked ranks."""
+        with self._lock:
+            self._health_snapshot = None
+            decision = self._health.observe(
+                alive=alive, expert_latency=expert_latency, expert_rank=expert_rank
+            )
+        if decision is not None:
+            self.report_recovery_required(decision.ranks, decision.reason)
+        return decision
+
+    def set_health_snapshot(self, health: HealthResponse) -> None:
+        """Use a health report computed elsewhere (e.g. in the scheduler) until the next one."""
+        if health.instance_id != self._instance_id:
+            health = health.model_copy(update={"instance_id": self._instance_id})
+        with self._lock:
+            self._health_snapshot = health
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _apply_start_locked(self, op: Operation) -> None:
+        m = self._membership
+        if op.kind is OperationKind.SCALE_UP:
+            self._membership = replace(
+                m,
+                pending_size=op.new_ep_size,
+                safe_to_terminate=m.safe_to_terminate - frozenset(op.ranks),
+            )
+        elif op.kind is OperationKind.SCALE_DOWN:
+            self._membership = replace(m, leaving=frozenset(op.ranks))
+
+    def refresh_metrics(self) -> None:
+        """Push the current status to the metrics (call every few seconds: degraded time)."""
+        if self._metrics is not None:
+            self._metrics.update_from_status(self.status())
