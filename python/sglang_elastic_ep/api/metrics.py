@@ -125,7 +125,7 @@ class ElasticEPMetrics:
         kind = op.kind.value
         self.operations.labels(kind=kind, result=op.result.value).inc()
         stamps = op.phase_timestamps
-        for here, nxt in zip(stamps, stamps[1:]):
+        for here, nxt in zip(stamps, stamps[1:], strict=False):
             self.phase_duration.labels(kind=kind, phase=here.phase.value).observe(
                 max(0.0, nxt.at - here.at)
             )

@@ -15,13 +15,13 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
 from sglang_elastic_ep.api.auth import ApiKeyCheck, sglang_admin_auth
 from sglang_elastic_ep.api.control_plane import ControlPlane
 from sglang_elastic_ep.core.api_models import (
     ID_PATTERN,
-    SCALE_REQUEST_FIELDS,
     ErrorResponse,
     ScaleRequest,
     describe_validation_error,
@@ -134,10 +134,10 @@ def build_router(
         try:
             body = await _read_body(request, max_body_bytes)
         except _BodyTooLarge as exc:
-            size = f"{exc.size} bytes" if exc.size is not None else "more than that"
+            size = f" ({exc.size} bytes)" if exc.size is not None else ""
             return error(
                 413,
-                f"request body is {size}, over the {max_body_bytes}-byte limit; "
+                f"request body{size} is over the {max_body_bytes}-byte limit; "
                 f"send only the scale fields, e.g. {_EXAMPLE}",
             )
         try:
@@ -160,7 +160,6 @@ def build_router(
         answer = await cp.request_scale(scale_request)
         return JSONResponse(answer.response.model_dump(mode="json"), status_code=answer.status)
 
-    @router.api_route(IS_SCALING_PATH, methods=["GET", "POST"])
     async def is_scaling_elastic_ep(request: Request) -> Response:
         """Upstream's shape (``is_scaling_elastic_ep``, sizes, ``scale_phase``) plus ours."""
         if (refusal := denied(request, write=False)) is not None:
@@ -179,6 +178,12 @@ def build_router(
                 "instance_id": status.instance_id,
             }
         )
+
+    # GET (upstream) and POST (the RFC): two routes, so OpenAPI operation ids stay unique.
+    router.add_api_route(IS_SCALING_PATH, is_scaling_elastic_ep, methods=["GET"])
+    router.add_api_route(
+        IS_SCALING_PATH, is_scaling_elastic_ep, methods=["POST"], name="is_scaling_elastic_ep_post"
+    )
 
     @router.get(STATUS_PATH)
     async def elastic_ep_status(request: Request) -> Response:
@@ -258,28 +263,33 @@ def build_router(
     return router
 
 
-def mount(app: FastAPI, router: APIRouter, *, auth_level: object | None = None) -> list[str]:
-    """Include ``router`` in ``app``, replacing routes already at the same paths.
+def mount(app: FastAPI, router: APIRouter, *, auth_level: object | None = None) -> None:
+    """Add the routes of ``router`` to ``app`` ahead of every route already there.
 
-    Starlette serves the first matching route, so upstream's ``/scale_elastic_ep`` and
-    ``/is_scaling_elastic_ep`` would shadow ours; they are removed. ``auth_level`` (SGLang's
-    ``AuthLevel.ADMIN_OPTIONAL``) is set as ``_auth_level`` on every endpoint, which is how
-    SGLang's API key middleware finds an endpoint's level. Returns the replaced paths.
+    Starlette serves the first matching route, and SGLang has already included upstream's
+    ``/scale_elastic_ep`` and ``/is_scaling_elastic_ep``, so ours go first and shadow them.
+    They are added one by one as top-level routes, not with ``include_router``: FastAPI
+    0.165 includes a router as one lazy ``_IncludedRouter`` entry whose ``matches()`` hides
+    the endpoint, so SGLang's API key middleware could not read its auth level and would
+    treat it as ``NORMAL``. ``auth_level`` (SGLang's ``AuthLevel.ADMIN_OPTIONAL``) is set as
+    ``_auth_level`` on every endpoint, which is where that middleware looks.
     """
-    ours = {getattr(route, "path", None) for route in router.routes}
-    replaced = sorted(
-        {route.path for route in app.router.routes if getattr(route, "path", None) in ours}
-    )
-    app.router.routes[:] = [
-        route for route in app.router.routes if getattr(route, "path", None) not in ours
-    ]
-    if auth_level is not None:
-        for route in router.routes:
-            endpoint = getattr(route, "endpoint", None)
-            if endpoint is not None:
-                endpoint._auth_level = auth_level  # type: ignore[attr-defined]
-    app.include_router(router)
-    return replaced
+    routes = app.router.routes
+    before = len(routes)
+    for route in router.routes:
+        if not isinstance(route, APIRoute):
+            raise TypeError(f"unexpected route type {type(route).__name__} in the router")
+        if auth_level is not None:
+            route.endpoint._auth_level = auth_level  # type: ignore[attr-defined]
+        app.router.add_api_route(
+            route.path, route.endpoint, methods=sorted(route.methods), name=route.name
+        )
+    added = routes[before:]
+    del routes[before:]
+    routes[0:0] = added
+    mark_changed = getattr(app.router, "_mark_routes_changed", None)
+    if callable(mark_changed):
+        mark_changed()
 
 
 def mount_elastic_ep(
@@ -311,7 +321,6 @@ __all__ = [
     "MAX_BODY_BYTES",
     "PATHS",
     "SCALE_PATH",
-    "SCALE_REQUEST_FIELDS",
     "STATUS_PATH",
     "build_router",
     "mount",

@@ -1,0 +1,28 @@
+"""Write one benchmark's section of docs/benchmarks.md (between its own markers)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n\nEach section is written by the script named in it, with the exact command.\n"
+
+
+def command_line() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def write_section(name: str, body: str, doc: Path = DOC) -> None:
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    text = doc.read_text() if doc.exists() else HEADER
+    if begin in text and end in text:
+        before, rest = text.split(begin, 1)
+        _, after = rest.split(end, 1)
+        text = before + block + after
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)

@@ -1,0 +1,97 @@
+"""Idle CPU use of a 2-rank CPU cluster, and first-request latency, with and without the
+short-poll idle sleeper (``SGLANG_EEP_IDLE_POLL_MS``; 0 turns it off).
+
+Runs one cluster per setting, one after the other, and writes docs/benchmarks.md section
+``idle_cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import command_line, write_section  # noqa: E402
+
+from sglang_elastic_ep.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from sglang_elastic_ep.cluster.load import generate  # noqa: E402
+from sglang_elastic_ep.cluster.procs import process_tree  # noqa: E402
+from sglang_elastic_ep.cpu.idle import ENV_IDLE_POLL_MS  # noqa: E402
+from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    total = 0.0
+    for proc in process_tree(pid):
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def measure(poll_ms: str, idle_s: float, ranks: int) -> dict[str, float]:
+    os.environ[ENV_IDLE_POLL_MS] = poll_ms
+    spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=ranks)
+    with LocalCluster(spec) as cluster, httpx.Client() as client:
+        assert cluster.primary is not None
+        for _ in range(3):  # warm every shard
+            generate(client, cluster.url, "warm up", 4)
+        time.sleep(2.0)
+        c0, t0 = tree_cpu_seconds(cluster.primary.pid), time.monotonic()
+        time.sleep(idle_s)
+        cpu = (tree_cpu_seconds(cluster.primary.pid) - c0) / (time.monotonic() - t0)
+        first = []
+        for _ in range(4):
+            time.sleep(2.0)  # idle again, then the first request
+            r = generate(client, cluster.url, "the expert rank", 1)
+            assert r.ok, r.error
+            first.append(r.finished - r.started)
+        busy = []
+        for _ in range(8):
+            r = generate(client, cluster.url, "the expert rank", 1)
+            busy.append(r.finished - r.started)
+    return {
+        "cpu_cores": cpu,
+        "first_ms": statistics.median(first) * 1e3,
+        "busy_ms": statistics.median(busy) * 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--ranks", type=int, default=2)
+    args = parser.parse_args()
+    rows = {}
+    for label, poll in (("before (spinning, poll off)", "0"), ("after (5 ms poll)", "5")):
+        rows[label] = measure(poll, args.idle_seconds, args.ranks)
+        print(label, rows[label], flush=True)
+    lines = [
+        f"## Idle CPU of a {args.ranks}-rank CPU cluster (issue: CPU EP data plane, item 6)",
+        "",
+        f"Command: `{command_line()}` on {os.cpu_count()} cores.",
+        "CPU = all processes of the server (schedulers, DP controller, detokenizer, HTTP) over "
+        f"{args.idle_seconds:.0f} s idle, in cores. Latency = one-token `/generate` (median of 4 "
+        "after 2 s idle, or 8 back to back).",
+        "",
+        "| setting | idle CPU (cores) | first request after idle (ms) | back-to-back request (ms) |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, r in rows.items():
+        lines.append(
+            f"| {label} | {r['cpu_cores']:.2f} | {r['first_ms']:.0f} | {r['busy_ms']:.0f} |"
+        )
+    write_section("idle_cpu", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

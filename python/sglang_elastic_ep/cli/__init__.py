@@ -1,0 +1,1 @@
+"""``sglang-eep``: command-line client of the elastic EP API (see docs/api.md)."""

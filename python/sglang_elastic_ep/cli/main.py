@@ -1,0 +1,465 @@
+"""``sglang-eep``: scale, inspect and watch an elastic EP SGLang server.
+
+Exit codes: 0 done, 1 failed (operation failed, server unreachable, timeout), 2 bad usage
+(bad arguments, request refused as invalid: 400/413/422, or 401/403), 3 conflict (409/412).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from rich.console import Console, Group
+from rich.live import Live
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+from sglang_elastic_ep.cli.sse import iter_sse
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_CONFLICT = 3
+
+API_KEY_ENV = "SGLANG_EEP_API_KEY"
+URL_ENV = "SGLANG_EEP_URL"
+_STATE_STYLE = {
+    "active": "green",
+    "pending": "cyan",
+    "failed": "bold red",
+    "leaving": "yellow",
+    "safe_to_terminate": "magenta",
+    "inactive": "dim",
+}
+_RESULT_STYLE = {"succeeded": "green", "failed": "bold red", "running": "cyan"}
+
+
+class CliError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _exit_code_for(status: int) -> int:
+    if status in (409, 412):
+        return EXIT_CONFLICT
+    if status in (400, 401, 403, 404, 405, 413, 422):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or f"HTTP {response.status_code}"
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error") or body)
+    return str(body)
+
+
+def _hint(status: int) -> str:
+    if status == 401:
+        return f" (pass --api-key or set {API_KEY_ENV})"
+    if status == 404:
+        return " (is this an SGLang server with the elastic EP plugin?)"
+    return ""
+
+
+def _get_json(client: httpx.Client, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        response = client.get(path, headers=_headers(args))
+    except httpx.HTTPError as exc:
+        raise CliError(EXIT_FAILED, f"cannot reach {args.url}: {exc}") from exc
+    if response.status_code != 200:
+        raise CliError(
+            _exit_code_for(response.status_code),
+            f"GET {path}: HTTP {response.status_code}: {_message(response)}"
+            + _hint(response.status_code),
+        )
+    body = response.json()
+    assert isinstance(body, dict)
+    return body
+
+
+# --- scale ----------------------------------------------------------------------------------
+
+
+def _post_scale(
+    client: httpx.Client, args: argparse.Namespace, payload: dict[str, Any], console: Console
+) -> httpx.Response:
+    # Safe to retry: the operation_id makes the request idempotent.
+    last: Exception | None = None
+    for attempt in range(args.retries + 1):
+        try:
+            return client.post("/scale_elastic_ep", json=payload, headers=_headers(args))
+        except httpx.TransportError as exc:
+            last = exc
+            if attempt < args.retries:
+                console.print(f"[yellow]POST failed ({exc}); retrying with the same id[/]")
+                time.sleep(min(4.0, 0.5 * 2**attempt))
+    raise CliError(EXIT_FAILED, f"cannot reach {args.url}: {last}")
+
+
+def _phase_view(op: dict[str, Any] | None, header: str, started: float) -> Group:
+    line = Text(header)
+    if op is None:
+        return Group(Spinner("dots", text=line))
+    phase = op["phase"]
+    entered = op["phase_timestamps"][-1]["at"] if op["phase_timestamps"] else op["started_at"]
+    line.append(f"  phase {phase}", style="bold cyan")
+    line.append(f"  ({max(0.0, time.time() - entered):.1f}s in phase, ")
+    line.append(f"{time.monotonic() - started:.1f}s total)")
+    return Group(Spinner("dots", text=line))
+
+
+def _find_operation(status: dict[str, Any], operation_id: str) -> dict[str, Any] | None:
+    current = status.get("current_operation")
+    if current and current["operation_id"] == operation_id:
+        return current
+    for op in status.get("recent_operations", []):
+        if op["operation_id"] == operation_id:
+            return op
+    return None
+
+
+def _wait(
+    client: httpx.Client,
+    args: argparse.Namespace,
+    operation_id: str,
+    instance_id: str,
+    console: Console,
+) -> int:
+    started = time.monotonic()
+    header = f"operation {operation_id}:"
+    seen_phases: list[str] = []
+    with Live(_phase_view(None, header, started), console=console, transient=True) as live:
+        while True:
+            try:
+                status = _get_json(client, "/elastic_ep/status", args)
+            except CliError as exc:
+                if exc.code != EXIT_FAILED:
+                    raise
+                live.console.print(f"[yellow]{exc}; still waiting[/]")
+                status = None
+            if status is not None:
+                if status["instance_id"] != instance_id:
+                    raise CliError(
+                        EXIT_FAILED,
+                        f"the server restarted (instance {instance_id} -> "
+                        f"{status['instance_id']}); operation {operation_id} is lost: "
+                        "check GET /elastic_ep/status and scale again",
+                    )
+                op = _find_operation(status, operation_id)
+                if op is None:
+                    raise CliError(
+                        EXIT_FAILED, f"operation {operation_id} is unknown to the server"
+                    )
+                stamps = op["phase_timestamps"]
+                for i, stamp in enumerate(stamps[len(seen_phases):], start=len(seen_phases)):
+                    took = stamps[i + 1]["at"] - stamp["at"] if i + 1 < len(stamps) else None
+                    seen_phases.append(stamp["phase"])
+                    live.console.print(
+                        f"  -> {stamp['phase']}"
+                        + (f" ({took:.1f}s)" if took is not None else "")
+                    )
+                header = (
+                    f"operation {operation_id}: {op['old_ep_size']} -> {op['new_ep_size']} "
+                    f"({op['kind']})"
+                )
+                live.update(_phase_view(op, header, started))
+                if op["result"] == "succeeded":
+                    duration = op.get("duration_s") or 0.0
+                    live.console.print(
+                        f"[green]done[/]: {op['old_ep_size']} -> {op['new_ep_size']} "
+                        f"in {duration:.1f}s"
+                    )
+                    _print_safe_to_terminate(status, console)
+                    return EXIT_OK
+                if op["result"] == "failed":
+                    live.console.print(
+                        f"[bold red]failed[/] in phase {_failed_in(op)}: {op.get('error')}"
+                    )
+                    return EXIT_FAILED
+            if time.monotonic() - started > args.timeout:
+                raise CliError(
+                    EXIT_FAILED,
+                    f"gave up waiting after {args.timeout:g}s; operation {operation_id} may "
+                    "still be running (sglang-eep status)",
+                )
+            time.sleep(args.poll_interval)
+
+
+def _failed_in(op: dict[str, Any]) -> str:
+    stamps = [s["phase"] for s in op["phase_timestamps"] if s["phase"] != "failed"]
+    return stamps[-1] if stamps else "?"
+
+
+def _print_safe_to_terminate(status: dict[str, Any], console: Console) -> None:
+    ranks = status.get("safe_to_terminate_ranks") or []
+    if ranks:
+        console.print(f"ranks safe to terminate: {ranks}")
+
+
+def cmd_scale(args: argparse.Namespace, console: Console) -> int:
+    operation_id = args.operation_id or uuid.uuid4().hex
+    payload: dict[str, Any] = {"new_ep_size": args.to, "operation_id": operation_id}
+    if args.expected_instance_id:
+        payload["expected_instance_id"] = args.expected_instance_id
+    with httpx.Client(base_url=args.url, timeout=args.http_timeout, trust_env=False) as client:
+        response = _post_scale(client, args, payload, console)
+        message = _message(response)
+        if response.status_code != 200:
+            code = _exit_code_for(response.status_code)
+            label = {EXIT_CONFLICT: "conflict", EXIT_USAGE: "refused"}.get(code, "error")
+            console.print(
+                f"[bold red]{label}[/] (HTTP {response.status_code}): {message}"
+                + _hint(response.status_code)
+            )
+            return code
+        body = response.json()
+        if args.json and not args.wait:
+            console.print_json(data=body)
+        else:
+            console.print(f"{message} [dim](operation {body.get('operation_id')})[/]")
+        if body.get("phase") == "failed":
+            return EXIT_FAILED
+        if not args.wait or body.get("operation_id") is None:
+            return EXIT_OK
+        return _wait(client, args, body["operation_id"], body["instance_id"], console)
+
+
+# --- status ---------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace, console: Console) -> int:
+    with httpx.Client(base_url=args.url, timeout=args.http_timeout, trust_env=False) as client:
+        status = _get_json(client, "/elastic_ep/status", args)
+    if args.json:
+        console.print_json(data=status)
+        return EXIT_OK
+    summary = Table(show_header=False, box=None)
+    summary.add_row("instance", status["instance_id"])
+    summary.add_row("phase", f"[bold]{status['phase']}[/]")
+    size = f"{status['effective_ep_size']} (max {status['max_ep_size']})"
+    if status.get("pending_ep_size") is not None:
+        size += f", scaling to {status['pending_ep_size']}"
+    summary.add_row("EP size", size)
+    current = status.get("current_operation")
+    if current:
+        summary.add_row(
+            "running",
+            f"{current['operation_id']} {current['kind']} {current['old_ep_size']} -> "
+            f"{current['new_ep_size']} in {current['phase']}",
+        )
+    if status.get("safe_to_terminate_ranks"):
+        summary.add_row("safe to terminate", str(status["safe_to_terminate_ranks"]))
+    if status.get("last_error"):
+        summary.add_row("last error", f"[red]{status['last_error']}[/]")
+    console.print(summary)
+
+    ranks = Table(title="ranks")
+    ranks.add_column("rank", justify="right")
+    ranks.add_column("state")
+    for rank in status["ranks"]:
+        style = _STATE_STYLE.get(rank["state"], "")
+        ranks.add_row(str(rank["rank"]), f"[{style}]{rank['state']}[/]" if style else rank["state"])
+    console.print(ranks)
+
+    if status.get("recent_operations"):
+        ops = Table(title="recent operations (newest first)")
+        for column in ("operation", "kind", "size", "result", "duration", "error"):
+            ops.add_column(column)
+        for op in status["recent_operations"]:
+            result = op["result"]
+            duration = op.get("duration_s")
+            ops.add_row(
+                op["operation_id"],
+                op["kind"],
+                f"{op['old_ep_size']} -> {op['new_ep_size']}",
+                f"[{_RESULT_STYLE.get(result, '')}]{result}[/]",
+                f"{duration:.1f}s" if duration is not None else "",
+                op.get("error") or "",
+            )
+        console.print(ops)
+    return EXIT_OK
+
+
+# --- events ---------------------------------------------------------------------------------
+
+
+def _event_line(event_type: str, data: dict[str, Any]) -> Text:
+    stamp = time.strftime("%H:%M:%S", time.localtime(data.get("time", time.time())))
+    skip = {"type", "event_id", "time", "instance_id"}
+    fields = " ".join(f"{k}={v}" for k, v in data.items() if k not in skip and v is not None)
+    style = {
+        "rank_failed": "bold red",
+        "scale_failed": "bold red",
+        "recovery_required": "yellow",
+        "missed": "yellow",
+        "scale_committed": "green",
+        "safe_to_terminate": "magenta",
+    }.get(event_type, "cyan")
+    line = Text(f"#{data.get('event_id', '-')} {stamp} ")
+    line.append(event_type, style=style)
+    line.append(f" {fields}")
+    return line
+
+
+def cmd_events(args: argparse.Namespace, console: Console) -> int:
+    last_id: str | None = None if args.last_event_id is None else str(args.last_event_id)
+    printed = 0
+    retry_s = 2.0
+    timeout = httpx.Timeout(args.http_timeout, read=args.read_timeout)
+    with httpx.Client(base_url=args.url, timeout=timeout, trust_env=False) as client:
+        while True:
+            headers = {**_headers(args), "Accept": "text/event-stream"}
+            if last_id is not None:
+                headers["Last-Event-ID"] = last_id
+            params = {"follow": "true" if args.follow else "false"}
+            try:
+                with client.stream("GET", "/elastic_ep/events", headers=headers,
+                                   params=params) as response:
+                    if response.status_code != 200:
+                        response.read()
+                        console.print(
+                            f"[bold red]HTTP {response.status_code}[/]: {_message(response)}"
+                            + _hint(response.status_code)
+                        )
+                        return _exit_code_for(response.status_code)
+                    for message in iter_sse(response.iter_lines()):
+                        if message.retry_ms is not None:
+                            retry_s = message.retry_ms / 1000
+                        if message.id is not None:
+                            last_id = message.id
+                        try:
+                            data = json.loads(message.data)
+                        except ValueError:
+                            data = {"raw": message.data}
+                        if args.json:
+                            console.print(json.dumps(data), markup=False, highlight=False,
+                                          soft_wrap=True)
+                        else:
+                            console.print(_event_line(message.event, data), soft_wrap=True)
+                        if message.event != "missed":
+                            printed += 1
+                        if args.max_events is not None and printed >= args.max_events:
+                            return EXIT_OK
+            except httpx.HTTPError as exc:
+                if not args.follow:
+                    console.print(f"[bold red]cannot read events from {args.url}[/]: {exc}")
+                    return EXIT_FAILED
+                console.print(f"[yellow]stream interrupted ({exc}); resuming after "
+                              f"event {last_id or 'none'} in {retry_s:g}s[/]")
+                time.sleep(retry_s)
+                continue
+            if not args.follow:
+                return EXIT_OK
+            time.sleep(retry_s)  # the server closed a followed stream: reconnect
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from exc
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url",
+        default=os.environ.get(URL_ENV),
+        required=URL_ENV not in os.environ,
+        help=f"server base URL, e.g. http://127.0.0.1:30000 (env {URL_ENV})",
+    )
+    common.add_argument(
+        "--api-key",
+        default=None,
+        help=f"admin API key (--admin-api-key of the server, else --api-key); env {API_KEY_ENV}",
+    )
+    common.add_argument("--http-timeout", type=float, default=10.0, help="seconds per request")
+    common.add_argument("--json", action="store_true", help="print raw JSON")
+
+    parser = argparse.ArgumentParser(
+        prog="sglang-eep",
+        description="Scale, inspect and watch an elastic EP SGLang server.",
+        epilog="exit codes: 0 done, 1 failed, 2 bad usage, 3 conflict (409/412)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    scale = sub.add_parser("scale", parents=[common], help="scale to an absolute EP size")
+    scale.add_argument("--to", type=_positive_int, required=True, help="target EP ranks")
+    scale.add_argument("--wait", action="store_true", help="follow phases until done")
+    scale.add_argument("--operation-id", help="idempotency key (default: a new UUID)")
+    scale.add_argument("--expected-instance-id", help="refuse (412) if the server restarted")
+    scale.add_argument("--timeout", type=float, default=1800.0, help="--wait limit, seconds")
+    scale.add_argument("--poll-interval", type=float, default=0.5, help="--wait poll, seconds")
+    scale.add_argument("--retries", type=int, default=3, help="POST retries on network errors")
+
+    sub.add_parser("status", parents=[common], help="show sizes, ranks and operations")
+
+    events = sub.add_parser("events", parents=[common], help="print events (SSE)")
+    events.add_argument("--follow", "-f", action="store_true", help="keep streaming")
+    events.add_argument(
+        "--last-event-id",
+        type=_non_negative_int,
+        default=None,
+        help="resume after this event id (0: whole buffer; default: backlog, or only new "
+        "events with --follow)",
+    )
+    events.add_argument("--max-events", type=_positive_int, help="stop after this many events")
+    events.add_argument(
+        "--read-timeout", type=float, default=60.0, help="reconnect after this long silent"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
+        return int(exc.code or 0)
+    console = Console(soft_wrap=False)
+    commands = {"scale": cmd_scale, "status": cmd_status, "events": cmd_events}
+    try:
+        return commands[args.command](args, console)
+    except CliError as exc:
+        Console(stderr=True).print(f"[bold red]error[/]: {exc}", highlight=False)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
