@@ -16,6 +16,8 @@ from typing import Literal
 
 Scope = Literal["all", "cpu"]
 S = "sglang.srt."
+NIXL = f"{S}layers.moe.token_dispatcher.nixl.NixlEPBuffer"
+EEP = f"{S}elastic_ep.elastic_ep"
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,28 @@ HOOKS: tuple[Hook, ...] = (
          "adds --ep-join-mode, --elastic-ep-drain-timeout and the Mooncake timeout flags"),
     Hook(f"{S}server_args.ServerArgs.from_cli_args", "sglang.args:from_cli_args", "AFTER", "all",
          "copies our flags onto ServerArgs and resolves --ep-join-mode vs --elastic-ep-join-mode"),
+    # --- NIXL data plane (sglang/nixl_buffer_hooks.py; each is upstream's own without elastic EP)
+    Hook(f"{NIXL}.on_scale", "sglang.nixl_buffer_hooks:hook_nixl_on_scale", "AROUND", "all",
+         "record the target size only; connect/disconnect happen at the next dispatch, in order"),
+    Hook(f"{NIXL}.get_nixl_buffer", "sglang.nixl_buffer_hooks:hook_nixl_get_nixl_buffer",
+         "AROUND", "all",
+         "buffer pre-sized for --max-ep-size; membership connects, and disconnects on scale-down"),
+    Hook(f"{EEP}.ElasticEPState.is_active_equal_last",
+         "sglang.nixl_buffer_hooks:hook_is_active_equal_last", "AROUND", "all",
+         "per-forward check reads the host mirror instead of torch.equal on CUDA tensors"),
+    Hook(f"{EEP}.ElasticEPState.snapshot_active_to_last",
+         "sglang.nixl_buffer_hooks:hook_after_snapshot_active_to_last", "AFTER", "all",
+         "keep the mirror's snapshot in step with last_active_ranks"),
+    Hook(f"{EEP}.ElasticEPState.sync_active_to_cpu",
+         "sglang.nixl_buffer_hooks:hook_after_sync_active_to_cpu", "AFTER", "all",
+         "membership event: refresh the mirror from the host copy; log experts with no replica"),
+    Hook(f"{EEP}.maybe_recover_ep_ranks", "sglang.nixl_buffer_hooks:hook_maybe_recover_ep_ranks",
+         "AROUND", "all",
+         "recovery poll reads the mirror of tp_group.active_ranks, no .all()/.cpu() per forward"),
+    # --- expert dispatch (sglang/expert_dispatch.py) --------------------------------------
+    Hook(f"{S}eplb.expert_location_dispatch.topk_ids_logical_to_physical",
+         "sglang.expert_dispatch:topk_ids_logical_to_physical", "AROUND", "all",
+         "picks on inactive ranks move to live replicas (-1 if none) from the next forward on"),
     # --- CPU engine ------------------------------------------------------------------------
     Hook(f"{S}distributed.bootstrap._resolve_backend", "cpu.mooncake_cpu:resolve_backend",
          "AFTER", "cpu", "upstream picks the mooncake backend only on CUDA; CPU: mooncake-cpu"),

@@ -38,3 +38,106 @@ def test_ep_join_mode_alias_parses_and_conflicts_fail() -> None:
         eep_args.resolve_join_mode("scale", "recover")
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-path", "m", "--ep-join-mode", "grow"])
+
+
+# ------------------------------------------------- NIXL data-plane hooks: gated pass-through
+
+
+class _Cls:
+    """Stands in for the class a classmethod hook receives."""
+
+
+_AROUND = [
+    ("hook_nixl_on_scale", "nixl_on_scale", (_Cls, 2, 3), {}),
+    ("hook_nixl_get_nixl_buffer", "nixl_get_nixl_buffer", (_Cls, "group", 64, "mode"),
+     {"num_experts": 16}),
+    ("hook_is_active_equal_last", "state_is_active_equal_last", ("state",), {}),
+    ("hook_maybe_recover_ep_ranks", "maybe_recover_ep_ranks", (),
+     {"tp_group": "g", "eplb_manager": "m", "model_config": "c", "moe_ep_rank": 0}),
+]
+_AFTER = [
+    ("hook_after_snapshot_active_to_last", "state_after_snapshot_active_to_last"),
+    ("hook_after_sync_active_to_cpu", "state_after_sync_active_to_cpu"),
+]
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+@pytest.mark.parametrize(("hook", "impl", "args", "kwargs"), _AROUND, ids=[a[0] for a in _AROUND])
+def test_nixl_around_hooks_are_upstream_without_elastic_ep(
+    monkeypatch: pytest.MonkeyPatch, enabled: bool, hook: str, impl: str, args: tuple,
+    kwargs: dict,
+) -> None:
+    from sglang_elastic_ep.sglang import nixl_buffer_hooks as nbh
+
+    calls: list[tuple[str, tuple, dict]] = []
+    monkeypatch.setattr(nbh, "elastic_ep_enabled", lambda: enabled)
+    monkeypatch.setattr(nbh, impl, lambda *a, **k: calls.append(("ours", a, k)) or "ours")
+
+    def original(*a: object, **k: object) -> str:
+        calls.append(("upstream", a, k))
+        return "upstream"
+
+    got = getattr(nbh, hook)(original, *args, **kwargs)
+    who = "ours" if enabled else "upstream"
+    assert got == who and calls == [(who, args, kwargs)]
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+@pytest.mark.parametrize(("hook", "impl"), _AFTER, ids=[a[0] for a in _AFTER])
+def test_nixl_after_hooks_do_nothing_without_elastic_ep(
+    monkeypatch: pytest.MonkeyPatch, enabled: bool, hook: str, impl: str
+) -> None:
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep.sglang import expert_dispatch
+    from sglang_elastic_ep.sglang import nixl_buffer_hooks as nbh
+
+    calls: list[str] = []
+    monkeypatch.setattr(nbh, "elastic_ep_enabled", lambda: enabled)
+    monkeypatch.setattr(nbh, impl, lambda *a, **k: calls.append(impl))
+    monkeypatch.setattr(expert_dispatch, "log_replica_coverage", lambda m: calls.append("log"))
+    assert getattr(nbh, hook)(None, SimpleNamespace(active_ranks_cpu=None)) is None
+    if not enabled:
+        assert calls == []
+    else:
+        assert calls[0] == impl
+
+
+def test_classmethod_around_hook_through_sglangs_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HookRegistry unwraps a classmethod and hands our AROUND hook (original, cls, ...)."""
+    import sys
+    import types
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_elastic_ep.sglang import nixl_buffer_hooks as nbh
+
+    class Buffer:
+        seen: list = []
+
+        @classmethod
+        def on_scale(cls, from_ep_size: int, to_ep_size: int) -> None:
+            cls.seen.append(("upstream", cls, from_ep_size, to_ep_size))
+
+    mod = types.ModuleType("eep_fake_nixl")
+    mod.Buffer = Buffer
+    monkeypatch.setitem(sys.modules, "eep_fake_nixl", mod)
+    HookRegistry._apply_target(
+        "eep_fake_nixl.Buffer.on_scale", [(HookType.AROUND, nbh.hook_nixl_on_scale, None)]
+    )
+    monkeypatch.setattr(nbh, "elastic_ep_enabled", lambda: False)
+    Buffer.on_scale(2, 3)
+    assert Buffer.seen == [("upstream", Buffer, 2, 3)]
+    monkeypatch.setattr(nbh, "elastic_ep_enabled", lambda: True)
+    monkeypatch.setattr(nbh, "nixl_on_scale", lambda cls, a, b: Buffer.seen.append(("ours", cls)))
+    Buffer.on_scale(3, 4)
+    assert Buffer.seen[-1] == ("ours", Buffer)
+
+
+def test_nixl_rows_live_only_in_the_hook_table() -> None:
+    from sglang_elastic_ep.sglang import nixl_buffer_hooks as nbh
+
+    assert "HOOKS" not in vars(nbh), "hooks.HOOKS is the one list; nixl_buffer_hooks derives"
+    rows = [h for h in hooks.HOOKS if h.impl.startswith("sglang.nixl_buffer_hooks:")]
+    assert len(rows) == 6 and all(h.scope == "all" for h in rows)
+    assert nbh.HOOKS == [(h.target, h.resolve(), h.kind, h.why) for h in rows]

@@ -172,6 +172,7 @@ class InProcessControlPlane:
             if admission.started:
                 assert admission.operation is not None
                 self._apply_start_locked(admission.operation)
+                self._recovery_phase = None  # the new operation's phases take over
         answer = ScaleAnswer(
             status=admission.status,
             response=admission.to_response(self._instance_id),
@@ -240,17 +241,19 @@ class InProcessControlPlane:
         default a committed scale-down's leaving ranks and a failed scale-up's joining ranks
         (they never became part of the serving group).
         """
-        op = self._registry.finish(operation_id, error=error, failed_in=failed_in)
-        release: frozenset[int]
-        if safe_to_terminate is not None:
-            release = frozenset(safe_to_terminate)
-        elif op.kind is OperationKind.SCALE_DOWN and error is None:
-            release = frozenset(op.ranks)
-        elif op.kind is OperationKind.SCALE_UP and error is not None:
-            release = frozenset(op.ranks)
-        else:
-            release = frozenset()
+        # One critical section with admission: no request may see the registry idle while
+        # the membership still shows the finished operation.
         with self._lock:
+            op = self._registry.finish(operation_id, error=error, failed_in=failed_in)
+            release: frozenset[int]
+            if safe_to_terminate is not None:
+                release = frozenset(safe_to_terminate)
+            elif op.kind is OperationKind.SCALE_DOWN and error is None:
+                release = frozenset(op.ranks)
+            elif op.kind is OperationKind.SCALE_UP and error is not None:
+                release = frozenset(op.ranks)
+            else:
+                release = frozenset()
             m = self._membership
             if error is None and op.kind is OperationKind.SCALE_UP:
                 m = replace(m, effective_size=op.new_ep_size, pending_size=None)
@@ -265,6 +268,8 @@ class InProcessControlPlane:
                 m = replace(m, pending_size=None, leaving=frozenset())
             m = replace(m, safe_to_terminate=m.safe_to_terminate | release)
             self._membership = m
+            if not m.failed_in_range():
+                self._recovery_phase = None  # e.g. the failed tail rank was scaled away
             self._health.set_ranks(range(m.effective_size))
             for rank in op.ranks:
                 self._health.clear(rank)
@@ -291,6 +296,9 @@ class InProcessControlPlane:
             self._membership = replace(
                 self._membership, failed=self._membership.failed | frozenset(failed)
             )
+            if self._recovery_phase in (None, Phase.SERVING_RECOVERED):
+                # Until the engine says more precisely (isolating_fault, rejoining, ...).
+                self._recovery_phase = Phase.SERVING_DEGRADED
         self._events.emit(
             RankFailedEvent, operation_id=operation_id, ranks=failed, reason=reason
         )
@@ -325,12 +333,16 @@ class InProcessControlPlane:
             for rank in recovered:
                 self._health.clear(rank)
             if not self._membership.failed_in_range():
-                self._recovery_phase = None
+                self._recovery_phase = Phase.SERVING_RECOVERED
         self._events.emit(RankRecoveredEvent, operation_id=operation_id, ranks=recovered)
         self.refresh_metrics()
 
     def report_recovery_phase(self, phase: Phase | None) -> None:
-        """Phase of the recovery machine, shown by status while no scale operation runs."""
+        """Phase of the recovery machine; status shows it until the next operation starts.
+
+        ``report_rank_recovered()`` sets ``serving_recovered`` by itself once no rank is
+        failed; None clears it (status falls back to the last operation's outcome).
+        """
         if phase is not None and phase not in RECOVERY_PHASES:
             raise ValueError(f"{phase.value} is not a recovery phase")
         with self._lock:

@@ -168,14 +168,10 @@ def _wait(
                     raise CliError(
                         EXIT_FAILED, f"operation {operation_id} is unknown to the server"
                     )
-                stamps = op["phase_timestamps"]
-                for i, stamp in enumerate(stamps[len(seen_phases):], start=len(seen_phases)):
-                    took = stamps[i + 1]["at"] - stamp["at"] if i + 1 < len(stamps) else None
+                for stamp in op["phase_timestamps"][len(seen_phases):]:
                     seen_phases.append(stamp["phase"])
-                    live.console.print(
-                        f"  -> {stamp['phase']}"
-                        + (f" ({took:.1f}s)" if took is not None else "")
-                    )
+                    offset = stamp["at"] - op["started_at"]
+                    live.console.print(f"  {offset:+7.1f}s  -> {stamp['phase']}")
                 header = (
                     f"operation {operation_id}: {op['old_ep_size']} -> {op['new_ep_size']} "
                     f"({op['kind']})"
@@ -304,7 +300,11 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
 def _event_line(event_type: str, data: dict[str, Any]) -> Text:
     stamp = time.strftime("%H:%M:%S", time.localtime(data.get("time", time.time())))
     skip = {"type", "event_id", "time", "instance_id"}
-    fields = " ".join(f"{k}={v}" for k, v in data.items() if k not in skip and v is not None)
+    fields = " ".join(
+        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in data.items()
+        if k not in skip and v is not None
+    )
     style = {
         "rank_failed": "bold red",
         "scale_failed": "bold red",

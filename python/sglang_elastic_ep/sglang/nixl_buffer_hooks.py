@@ -2,12 +2,14 @@
 
 Everything that decides anything lives in :mod:`sglang_elastic_ep.backends.nixl_membership`
 (connect/disconnect ordering) and :mod:`sglang_elastic_ep.backends.active_ranks_mirror` (host-side
-active-rank mask). This module wires them onto upstream objects; it does not register anything
-itself. :data:`HOOKS` lists ``(target, fn, HookType name, reason)`` for the plugin's hook table::
-
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    for target, fn, kind, _reason in HOOKS:
-        HookRegistry.register(target, fn, HookType[kind])
+active-rank mask). This module wires them onto upstream objects; it registers nothing itself.
+The plugin's hook table (:data:`sglang_elastic_ep.hooks.HOOKS`) is the one list of what gets
+installed; it names the ``hook_*`` functions below. Each of them first checks
+:func:`elastic_ep_enabled` and, without ``--elastic-ep-backend``, calls upstream's original
+unchanged (AROUND) or does nothing (AFTER). The functions they delegate to (``nixl_on_scale``,
+``state_is_active_equal_last``, ...) are the elastic-EP behaviour itself and are what the tests
+call directly. ``HOOKS`` here is a read-only view of this module's rows of that table, as
+``(target, hook function, HookType name, why)``.
 
 SGLang is imported lazily, inside the functions that need it, so this module imports without it.
 
@@ -37,11 +39,21 @@ from sglang_elastic_ep.backends.nixl_membership import BufferSizing, NixlMembers
 
 logger = logging.getLogger(__name__)
 
-_NIXL = "sglang.srt.layers.moe.token_dispatcher.nixl.NixlEPBuffer"
-_STATE = "sglang.srt.elastic_ep.elastic_ep.ElasticEPState"
-_RECOVER = "sglang.srt.elastic_ep.elastic_ep.maybe_recover_ep_ranks"
-
 _MIRROR_ATTR = "_elastic_ep_mirror"
+
+
+def elastic_ep_enabled() -> bool:
+    """Whether this process serves with elastic EP (``--elastic-ep-backend`` was given).
+
+    False before SGLang published its config (unit tests, early imports). Cheap enough for the
+    forward path: a dict lookup and two attribute reads, and traceable by torch.compile.
+    """
+    from sglang.srt.runtime_context import get_context
+
+    ctx = get_context()
+    if not ctx.is_config_namespace_published("exec"):
+        return False
+    return ctx.config_bag("exec").moe.elastic_ep_backend is not None
 
 
 # ------------------------------------------------------------------------ membership plumbing
@@ -310,41 +322,67 @@ def maybe_recover_ep_ranks(
     return True
 
 
-HOOKS: list[tuple[str, Callable[..., Any], str, str]] = [
-    (
-        f"{_NIXL}.on_scale",
-        nixl_on_scale,
-        "REPLACE",
-        "record the target size only; connect/disconnect happen at the next dispatch, in order",
-    ),
-    (
-        f"{_NIXL}.get_nixl_buffer",
-        nixl_get_nixl_buffer,
-        "REPLACE",
-        "buffer pre-sized for --max-ep-size; membership connects, and disconnects on scale-down",
-    ),
-    (
-        f"{_STATE}.is_active_equal_last",
-        state_is_active_equal_last,
-        "REPLACE",
-        "per-forward check reads the host mirror instead of torch.equal on CUDA tensors",
-    ),
-    (
-        f"{_STATE}.snapshot_active_to_last",
-        state_after_snapshot_active_to_last,
-        "AFTER",
-        "keep the mirror's snapshot in step with last_active_ranks",
-    ),
-    (
-        f"{_STATE}.sync_active_to_cpu",
-        state_after_sync_active_to_cpu,
-        "AFTER",
-        "membership event: refresh the mirror from the host copy upstream just made",
-    ),
-    (
-        _RECOVER,
-        maybe_recover_ep_ranks,
-        "REPLACE",
-        "recovery poll reads the mirror of tp_group.active_ranks, no .all()/.cpu() per forward",
-    ),
-]
+# ------------------------------------------------------------------ hooks (gated entry points)
+# Registered through sglang_elastic_ep.hooks.HOOKS. Without elastic EP each is upstream itself.
+
+
+def hook_nixl_on_scale(original: Callable[..., Any], cls: Any, *args: Any, **kwargs: Any) -> None:
+    """AROUND ``NixlEPBuffer.on_scale`` -> :func:`nixl_on_scale` when elastic EP is on."""
+    if not elastic_ep_enabled():
+        return original(cls, *args, **kwargs)
+    return nixl_on_scale(cls, *args, **kwargs)
+
+
+def hook_nixl_get_nixl_buffer(
+    original: Callable[..., Any], cls: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``NixlEPBuffer.get_nixl_buffer`` -> :func:`nixl_get_nixl_buffer` when on."""
+    if not elastic_ep_enabled():
+        return original(cls, *args, **kwargs)
+    return nixl_get_nixl_buffer(cls, *args, **kwargs)
+
+
+def hook_is_active_equal_last(original: Callable[..., Any], self: Any) -> bool:
+    """AROUND ``ElasticEPState.is_active_equal_last`` -> :func:`state_is_active_equal_last`."""
+    if not elastic_ep_enabled():
+        return original(self)
+    return state_is_active_equal_last(self)
+
+
+def hook_after_snapshot_active_to_last(result: Any, self: Any) -> None:
+    """AFTER ``ElasticEPState.snapshot_active_to_last``; nothing without elastic EP."""
+    if elastic_ep_enabled():
+        state_after_snapshot_active_to_last(result, self)
+    return None
+
+
+def hook_after_sync_active_to_cpu(result: Any, self: Any) -> None:
+    """AFTER ``ElasticEPState.sync_active_to_cpu``: refresh the mirror, and warn if some expert
+    lost every replica (a membership event, so host work is fine here)."""
+    if not elastic_ep_enabled():
+        return None
+    state_after_sync_active_to_cpu(result, self)
+    from sglang_elastic_ep.sglang import expert_dispatch
+
+    expert_dispatch.log_replica_coverage(self.active_ranks_cpu)
+    return None
+
+
+def hook_maybe_recover_ep_ranks(original: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """AROUND ``elastic_ep.maybe_recover_ep_ranks`` -> :func:`maybe_recover_ep_ranks` when on."""
+    if not elastic_ep_enabled():
+        return original(*args, **kwargs)
+    return maybe_recover_ep_ranks(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``HOOKS``: this module's rows of the plugin's hook table (the one source of truth)."""
+    if name == "HOOKS":
+        from sglang_elastic_ep import hooks
+
+        return [
+            (h.target, h.resolve(), h.kind, h.why)
+            for h in hooks.HOOKS
+            if h.impl.startswith(f"sglang.{__name__.rpartition('.')[2]}:")
+        ]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

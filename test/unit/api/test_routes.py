@@ -392,22 +392,29 @@ def test_removing_the_failed_tail_rank_is_allowed() -> None:
     status = client.get("/elastic_ep/status").json()
     assert status["effective_ep_size"] == 3
     assert status["safe_to_terminate_ranks"] == [3]
+    assert status["phase"] == "serving_contracted"  # no longer degraded
     assert post(client, {"new_ep_size": 4}).status_code == 200  # healthy again: up is fine
 
 
-def test_recovery_phase_shows_in_status_until_recovered(
+def test_recovery_phase_shows_in_status_until_the_next_operation(
     client: TestClient, plane: InProcessControlPlane
 ) -> None:
     plane.report_rank_failed([1], "heartbeat lost")
-    plane.report_recovery_phase(Phase.SERVING_DEGRADED)
     assert client.get("/elastic_ep/status").json()["phase"] == "serving_degraded"
+    plane.report_recovery_phase(Phase.REJOINING)
+    assert client.get("/elastic_ep/status").json()["phase"] == "rejoining"
     plane.report_rank_recovered([1])
     status = client.get("/elastic_ep/status").json()
-    assert status["phase"] == "idle"
+    assert status["phase"] == "serving_recovered"
     assert status["ranks"][1]["state"] == "active"
     assert [e.type for e in plane.events.since(0).events] == ["rank_failed", "rank_recovered"]
     with pytest.raises(ValueError):
         plane.report_recovery_phase(Phase.JOINING)
+    # The next operation's phases replace it, also after the operation ended.
+    post(client, {"new_ep_size": 4, "operation_id": "after-recovery"})
+    assert client.get("/elastic_ep/status").json()["phase"] == "waiting_for_cohort"
+    plane.finish_operation("after-recovery")
+    assert client.get("/elastic_ep/status").json()["phase"] == "serving_expanded"
 
 
 def test_health_reports_hard_blocked_ranks_and_emits_recovery_required(
@@ -713,3 +720,30 @@ def test_include_router_would_hide_the_auth_level_from_sglang_middleware() -> No
     assert TestClient(mounted).get("/elastic_ep/status").status_code == 401
     if TestClient(included).get("/elastic_ep/status").status_code == 401:
         pytest.skip("this FastAPI exposes included endpoints to the middleware again")
+
+
+def test_concurrent_requests_start_exactly_one_operation() -> None:
+    engine = FakeEngine()
+    plane = make_plane(engine=engine)
+    barrier = threading.Barrier(8)
+    codes: list[int] = []
+    lock = threading.Lock()
+    with live_server(make_app(plane)) as url:
+
+        def fire(i: int) -> None:
+            with httpx.Client(base_url=url, timeout=10) as http:
+                barrier.wait()
+                response = http.post(
+                    "/scale_elastic_ep", json={"new_ep_size": 3 + i % 4, "operation_id": f"c{i}"}
+                )
+            with lock:
+                codes.append(response.status_code)
+
+        threads = [threading.Thread(target=fire, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    assert sorted(codes) == [200] + [409] * 7
+    assert len(engine.ops) == 1
+    assert plane.events.last_event_id == 1

@@ -1,0 +1,397 @@
+"""Mask-aware expert-location dispatch for elastic EP (SGLang 0.5.23 adapter).
+
+AROUND hook on ``sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical``, which
+maps every token's top-k *logical* experts to *physical* slots (``static``: this rank's table;
+``dynamic``/``fake``: one replica per token; ``lp``: sampled). Upstream does not look at which
+EP ranks are alive, so until EPLB has moved the experts away (a rebalance after the fault, a
+drain before a scale-down) tokens keep going to a dead rank's slots. With elastic EP on:
+
+1. upstream's pick is computed exactly as upstream computes it;
+2. where that pick is a slot whose rank is inactive in ``ElasticEPState.active_ranks`` (the
+   device mask that NIXL/Mooncake update in place after each combine), it is replaced by
+   :func:`sglang_elastic_ep_kernels.select_physical_experts`'s pick among the logical expert's
+   replicas on active ranks (same replica list upstream uses,
+   ``partial_logical_to_all_physical_map``; an even, rank-independent spread);
+3. where the logical expert has **no** replica on an active rank, the physical id is ``-1``:
+   the same "no expert" value upstream writes into padded rows. The dispatchers (DeepEP, NIXL,
+   Mooncake) and the native MoE skip ``-1``, so that expert contributes nothing to the token;
+   the token's other experts still do, with their router weights as they were (no
+   renormalisation). Such drops are counted on the device (:func:`dropped_expert_assignments`)
+   and the plugin logs which (layer, expert) pairs lost every replica at each membership event
+   (:func:`log_replica_coverage`). Never an out-of-range index.
+
+Entries whose logical id is negative (padding) keep upstream's value, and where upstream's pick
+is live it is kept: with every rank active the result equals upstream's bit for bit (static
+keeps its locality, lp its sampling). The mask is read on the device when the kernels run: the
+very next forward (even the next MoE layer) after a fault routes around it, no host sync, and a
+captured CUDA graph follows mask changes without recapture.
+
+Caveats: with no dispatch info (``--ep-dispatch-algorithm`` unset, trivial layout) upstream
+returns the logical ids unchanged and so does this hook: one replica per expert, nothing to move
+to, and the a2a backend's own mask drops the dead rank's share. SGLang collapses the replica
+list to one "nearest" replica per rank for metadata built by ``init_by_mapping`` with an a2a
+backend (the initial layout); on several nodes that may be a same-node replica, and if its rank
+dies the expert counts as lost (``-1``) until the EPLB rebalance that the same fault triggers
+installs full replica lists.
+
+Without elastic EP (``--elastic-ep-backend`` unset) the hook returns upstream's result and
+does nothing else. SGLang is imported lazily, so the tensor logic imports and runs without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from sglang_elastic_ep.sglang import nixl_buffer_hooks as _nixl
+from sglang_elastic_ep_kernels import select_physical_experts
+
+try:  # Triton: the fused repair step on CUDA; the torch version runs everywhere else.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+logger = logging.getLogger(__name__)
+
+_slot_to_rank_cache: dict[tuple[int, int, str], torch.Tensor] = {}
+_dropped_counters: dict[str, torch.Tensor] = {}
+_width_cache: dict[str, Any] = {"tensor": None, "version": -1, "width": 0}
+_warned: set[str] = set()
+
+
+# ------------------------------------------------------------------------------- the hook
+
+
+def topk_ids_logical_to_physical(original_fn: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """AROUND ``expert_location_dispatch.topk_ids_logical_to_physical``.
+
+    Elastic EP off: exactly ``original_fn(*args, **kwargs)``. On: upstream's pick, with picks on
+    inactive ranks moved to live replicas (``-1`` where none is left).
+    """
+    if not _nixl.elastic_ep_enabled():
+        return original_fn(*args, **kwargs)
+    physical = original_fn(*args, **kwargs)
+    topk_ids = args[0] if args else kwargs["topk_ids"]
+    info = args[1] if len(args) > 1 else kwargs.get("info")
+    if info is None:
+        return physical
+    return _route_live(topk_ids, physical, info)
+
+
+@torch.compiler.disable
+def _route_live(topk_ids: torch.Tensor, physical: torch.Tensor, info: Any) -> torch.Tensor:
+    # Kept out of torch.compile (upstream calls the dispatch from a compiled function): a graph
+    # break here, the kernels launch as they are. Host reads: shapes and Python ints only.
+    state = _elastic_state()
+    if state is None or state.active_ranks is None or topk_ids.numel() == 0:
+        return physical
+    metadata = _expert_location_metadata()
+    if metadata is None:
+        _warn_once("no-metadata", "elastic EP dispatch: no expert location metadata; unchanged")
+        return physical
+    device = topk_ids.device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    table = info.partial_logical_to_all_physical_map
+    width = _replica_width(metadata, table, info.num_physical_experts, capturing)
+    slot_to_rank = _slot_to_rank(
+        info.num_physical_experts, metadata.num_local_physical_experts, device, capturing
+    )
+    return route_around_inactive_ranks(
+        topk_ids,
+        physical,
+        table[:, :width],
+        info.partial_logical_to_all_physical_map_num_valid,
+        slot_to_rank,
+        state.active_ranks,
+        dropped_counter=_dropped_counter(device, capturing),
+    )
+
+
+# ------------------------------------------------------------------- tensor logic (no SGLang)
+
+
+def route_around_inactive_ranks(
+    topk_ids: torch.Tensor,
+    physical: torch.Tensor,
+    replica_table: torch.Tensor,
+    replica_counts: torch.Tensor,
+    slot_to_rank: torch.Tensor,
+    active_mask: torch.Tensor,
+    *,
+    dropped_counter: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Keep ``physical[i]`` where its rank is active, else a live replica of ``topk_ids[i]``.
+
+    ``topk_ids``/``physical``: logical ids and upstream's physical pick, same shape (``[..., K]``).
+    ``replica_table [L, R]``/``replica_counts [L]``: replicas of each logical expert;
+    ``slot_to_rank [P]``; ``active_mask [M]`` (nonzero = active, read on the device).
+    Entries with ``topk_ids < 0`` or ``>= L`` keep ``physical``. A valid entry whose pick is dead
+    and whose expert has no live replica becomes ``-1`` and adds one to ``dropped_counter``
+    (int64 ``[1]``, on the device). No host sync; CUDA-graph capturable.
+    """
+    if topk_ids.numel() == 0:
+        return physical
+    k = topk_ids.shape[-1] if topk_ids.dim() >= 2 else 1
+    ids = topk_ids.reshape(-1, k)
+    if active_mask.device != ids.device:
+        active_mask = active_mask.to(ids.device, non_blocking=True)
+    live_pick, _ = select_physical_experts(
+        ids, replica_table, replica_counts, slot_to_rank, active_mask, backend=backend
+    )
+    use_triton = backend != "torch" and ids.is_cuda and triton is not None
+    repair = _repair_triton if use_triton else _repair_torch
+    out = repair(
+        ids, physical.reshape(-1, k), live_pick, slot_to_rank, active_mask,
+        replica_table.shape[0], dropped_counter,
+    )
+    return out.view(physical.shape)
+
+
+def _repair_torch(
+    ids: torch.Tensor,
+    phys: torch.Tensor,
+    live_pick: torch.Tensor,
+    slot_to_rank: torch.Tensor,
+    active_mask: torch.Tensor,
+    num_logical: int,
+    dropped_counter: torch.Tensor | None,
+) -> torch.Tensor:
+    num_slots, num_ranks = slot_to_rank.shape[0], active_mask.shape[0]
+    p = phys.to(torch.int64)
+    valid = (ids >= 0) & (ids < num_logical)
+    if num_slots == 0 or num_ranks == 0:
+        alive = torch.zeros_like(valid)
+    else:
+        in_range = (p >= 0) & (p < num_slots)
+        rank = slot_to_rank.to(torch.int64)[p.clamp(0, num_slots - 1)]
+        rank_ok = in_range & (rank >= 0) & (rank < num_ranks)
+        alive = rank_ok & (active_mask[rank.clamp(0, num_ranks - 1)] != 0)
+    replace = valid & ~alive
+    out = torch.where(replace, live_pick.to(phys.dtype), phys)
+    if dropped_counter is not None:
+        dropped_counter.add_((replace & (live_pick < 0)).sum())
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _repair_kernel(
+        ids_ptr,
+        phys_ptr,
+        live_ptr,
+        slot_rank_ptr,
+        mask_ptr,
+        out_ptr,
+        counter_ptr,
+        N,
+        K,
+        stride_it,
+        stride_ik,
+        stride_pt,
+        stride_pk,
+        L,
+        P,
+        M,
+        HAS_COUNTER: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        ok = offs < N
+        t = offs // K
+        kk = offs % K
+        e = tl.load(ids_ptr + t * stride_it + kk * stride_ik, mask=ok, other=-1).to(tl.int64)
+        p = tl.load(phys_ptr + t * stride_pt + kk * stride_pk, mask=ok, other=-1).to(tl.int64)
+        live = tl.load(live_ptr + offs, mask=ok, other=-1).to(tl.int64)
+        in_range = ok & (p >= 0) & (p < P)
+        rank = tl.load(slot_rank_ptr + tl.where(in_range, p, 0), mask=in_range, other=-1)
+        rank = rank.to(tl.int64)
+        rank_ok = in_range & (rank >= 0) & (rank < M)
+        flag = tl.load(mask_ptr + tl.where(rank_ok, rank, 0), mask=rank_ok, other=0)
+        alive = rank_ok & (flag != 0)
+        replace = ok & (e >= 0) & (e < L) & (alive == 0)
+        out = tl.where(replace, live, p)
+        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
+        if HAS_COUNTER:
+            dropped = tl.sum((replace & (live < 0)).to(tl.int64), axis=0)
+            tl.atomic_add(counter_ptr, dropped)
+
+
+def _repair_triton(
+    ids: torch.Tensor,
+    phys: torch.Tensor,
+    live_pick: torch.Tensor,
+    slot_to_rank: torch.Tensor,
+    active_mask: torch.Tensor,
+    num_logical: int,
+    dropped_counter: torch.Tensor | None,
+) -> torch.Tensor:
+    """One launch: alive check of upstream's pick, the choice, and the drop count."""
+    num_tokens, k = ids.shape
+    out = torch.empty((num_tokens, k), dtype=phys.dtype, device=phys.device)
+    n = num_tokens * k
+    mask = active_mask.view(torch.uint8) if active_mask.dtype == torch.bool else active_mask
+    block = 1024
+    _repair_kernel[(triton.cdiv(n, block),)](
+        ids,
+        phys,
+        live_pick.contiguous(),
+        slot_to_rank,
+        mask,
+        out,
+        dropped_counter if dropped_counter is not None else out,
+        n,
+        k,
+        ids.stride(0),
+        ids.stride(1),
+        phys.stride(0),
+        phys.stride(1),
+        num_logical,
+        slot_to_rank.shape[0],
+        active_mask.shape[0],
+        HAS_COUNTER=dropped_counter is not None,
+        BLOCK=block,
+    )
+    return out
+
+
+# -------------------------------------------------------------------- per-process caches
+
+
+def _slot_to_rank(
+    num_physical: int, num_local: int, device: torch.device, capturing: bool
+) -> torch.Tensor:
+    """EP rank of each physical slot in SGLang's layout: ``slot // num_local_physical_experts``."""
+    key = (num_physical, num_local, str(device))
+    cached = _slot_to_rank_cache.get(key)
+    if cached is not None:
+        return cached
+    table = torch.div(
+        torch.arange(num_physical, dtype=torch.int32, device=device),
+        max(num_local, 1),
+        rounding_mode="floor",
+    )
+    if not capturing:  # made inside a capture it would only be filled by the replays
+        _slot_to_rank_cache[key] = table
+    return table
+
+
+def _replica_width(
+    metadata: Any, table: torch.Tensor, num_physical: int, capturing: bool
+) -> int:
+    """How many columns of the padded replica table (``[L, P]``) the kernel must look at.
+
+    Eager: the largest replica count of the current layout, read from the host copy SGLang keeps
+    (recomputed only when EPLB changed it), rounded up to a power of two to bound recompiles.
+    While a CUDA graph is captured: ``P - L + 1``, the most any layout can give one expert
+    (every logical expert keeps a slot), so later EPLB updates stay inside the captured width.
+    """
+    num_logical, x = table.shape
+    bound = max(1, min(x, num_physical - num_logical + 1))
+    cpu = getattr(metadata, "logical_to_all_physical_map_cpu", None)
+    if capturing or cpu is None:
+        return bound
+    try:
+        version = cpu._version
+    except RuntimeError:  # an inference tensor has no version counter: cannot cache safely
+        return bound
+    if _width_cache["tensor"] is not cpu or _width_cache["version"] != version:
+        widest = int((cpu != -1).sum(dim=-1).max()) if cpu.numel() else 1
+        _width_cache.update(tensor=cpu, version=version, width=widest)
+    widest = max(1, int(_width_cache["width"]))
+    return min(x, 1 << (widest - 1).bit_length())
+
+
+def _dropped_counter(device: torch.device, capturing: bool) -> torch.Tensor | None:
+    key = str(device)
+    counter = _dropped_counters.get(key)
+    if counter is None and not capturing:
+        counter = torch.zeros(1, dtype=torch.int64, device=device)
+        _dropped_counters[key] = counter
+    return counter
+
+
+def dropped_expert_assignments() -> int:
+    """(token, expert, layer) assignments sent to ``-1`` because the expert had no live replica.
+
+    Reads the device counters: a host sync. For metrics and tests, not for the forward path.
+    Counts padded rows of CUDA-graph batches too (upstream masks them after the dispatch).
+    """
+    return sum(int(c.item()) for c in _dropped_counters.values())
+
+
+def reset_caches() -> None:
+    """Forget the cached tables and counters (tests; a new engine in the same process)."""
+    _slot_to_rank_cache.clear()
+    _dropped_counters.clear()
+    _width_cache.update(tensor=None, version=-1, width=0)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+# --------------------------------------------------------------------- SGLang look-ups
+
+
+def _elastic_state() -> Any:
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+
+    return ElasticEPStateManager.instance()
+
+
+def _expert_location_metadata() -> Any:
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    return get_global_expert_location_metadata()
+
+
+# ------------------------------------------------------------------ membership-event log
+
+
+def orphaned_experts(metadata: Any, active_ranks: Any) -> list[tuple[int, int]]:
+    """(layer, logical expert) pairs with no physical slot on an active rank. Host only.
+
+    Uses SGLang's host copy of the full ``physical_to_logical_map`` (not the per-rank
+    collapsed replica list), i.e. what an EPLB rebalance has to fix.
+    """
+    p2l = metadata.physical_to_logical_map_cpu.to(torch.int64)
+    num_layers, num_physical = p2l.shape
+    mask = torch.as_tensor(active_ranks).to(device="cpu", dtype=torch.int64).flatten()
+    rank = torch.arange(num_physical) // max(metadata.num_local_physical_experts, 1)
+    alive = (rank < mask.numel()) & (mask[rank.clamp(max=max(mask.numel() - 1, 0))] != 0)
+    num_logical = int(metadata.num_logical_experts)
+    ok = (p2l >= 0) & (p2l < num_logical)
+    live = torch.zeros(num_layers, num_logical + 1, dtype=torch.int64)
+    live.scatter_add_(
+        1, torch.where(ok, p2l, num_logical), (ok & alive.view(1, -1)).to(torch.int64)
+    )
+    return [(int(a), int(b)) for a, b in (live[:, :num_logical] == 0).nonzero().tolist()]
+
+
+def log_replica_coverage(active_ranks_cpu: Any) -> list[tuple[int, int]] | None:
+    """At a membership event: warn when some expert lost every replica (its tokens get ``-1``)."""
+    if active_ranks_cpu is None:
+        return None
+    try:
+        metadata = _expert_location_metadata()
+    except (ImportError, ValueError, AttributeError):
+        return None
+    if metadata is None:
+        return None
+    lost = orphaned_experts(metadata, active_ranks_cpu)
+    if lost:
+        logger.warning(
+            "[elastic-ep] %d (layer, expert) pairs have no replica on an active rank, e.g. %s: "
+            "their tokens are dispatched to -1 (the expert contributes nothing) until EPLB "
+            "places them again",
+            len(lost),
+            lost[:8],
+        )
+    return lost

@@ -1,0 +1,231 @@
+"""``sglang-eep`` against a real uvicorn server on a free port (no SGLang)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from eep_api_helpers import INSTANCE, AutoEngine, free_port, live_server, make_app, make_plane
+
+from sglang_elastic_ep.api.auth import sglang_admin_auth
+from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+from sglang_elastic_ep.cli.main import (
+    EXIT_CONFLICT,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    main,
+)
+from sglang_elastic_ep.cli.sse import iter_sse
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_EEP_API_KEY", raising=False)
+    monkeypatch.delenv("SGLANG_EEP_URL", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+class Server:
+    def __init__(self, plane: InProcessControlPlane, engine: AutoEngine, url: str) -> None:
+        self.plane, self.engine, self.url = plane, engine, url
+
+
+@contextmanager
+def serving(engine: AutoEngine, *, initial: int = 2, **router_kwargs: Any) -> Iterator[Server]:
+    plane = make_plane(engine=engine, initial=initial, clock=time.time)
+    try:
+        with live_server(make_app(plane, **router_kwargs)) as url:
+            yield Server(plane, engine, url)
+    finally:
+        engine.release.set()
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    with serving(AutoEngine()) as srv:
+        yield srv
+
+
+def run(*argv: str) -> int:
+    return main(list(argv))
+
+
+def test_scale_wait_follows_phases_and_exits_0(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = run("scale", "--url", server.url, "--to", "4", "--wait", "--poll-interval", "0.02",
+               "--operation-id", "cli-up")
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    assert "Scaling initiated from 2 to 4" in out
+    for phase in ("pending", "joining", "configuring_data_plane", "syncing_new_world",
+                  "serving_expanded"):
+        assert f"-> {phase}" in out
+    assert "done: 2 -> 4" in out
+    assert server.plane.status().effective_ep_size == 4
+    assert [op.operation_id for op in server.engine.ops] == ["cli-up"]
+
+
+def test_scale_down_wait_prints_ranks_safe_to_terminate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with serving(AutoEngine(), initial=4) as srv:
+        code = run("scale", "--url", srv.url, "--to", "2", "--wait", "--poll-interval", "0.02")
+        out = capsys.readouterr().out
+        assert code == EXIT_OK, out
+        assert "ranks safe to terminate: [2, 3]" in out
+
+
+def test_scale_without_wait_exits_0_once_accepted(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.engine.hold = True
+    assert run("scale", "--url", server.url, "--to", "3") == EXIT_OK
+    assert "Scaling initiated from 2 to 3" in capsys.readouterr().out
+    assert server.plane.status().current_operation is not None
+
+
+def test_failed_operation_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with serving(AutoEngine(error="joiner 3 crashed")) as srv:
+        code = run("scale", "--url", srv.url, "--to", "4", "--wait", "--poll-interval", "0.02")
+        out = capsys.readouterr().out
+        assert code == EXIT_FAILED, out
+        assert "failed in phase syncing_new_world: joiner 3 crashed" in out
+        # Retrying the failed id without --wait still reports the failure.
+        op_id = srv.plane.status().recent_operations[0].operation_id
+        assert run("scale", "--url", srv.url, "--to", "4", "--operation-id", op_id) == EXIT_FAILED
+        assert "has since failed" in capsys.readouterr().out
+
+
+def test_retry_with_the_same_operation_id_is_idempotent(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ("scale", "--url", server.url, "--to", "4", "--operation-id", "same", "--wait",
+            "--poll-interval", "0.02")
+    assert run(*args) == EXIT_OK
+    assert run(*args) == EXIT_OK
+    assert len(server.engine.ops) == 1
+
+
+def test_conflicts_exit_3(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    server.engine.hold = True
+    assert run("scale", "--url", server.url, "--to", "4") == EXIT_OK
+    capsys.readouterr()
+    assert run("scale", "--url", server.url, "--to", "6") == EXIT_CONFLICT
+    assert "conflict (HTTP 409)" in capsys.readouterr().out
+    assert run("scale", "--url", server.url, "--to", "4",
+               "--expected-instance-id", "someone-else") == EXIT_CONFLICT
+    assert "HTTP 412" in capsys.readouterr().out
+    assert len(server.engine.ops) == 1
+
+
+def test_invalid_target_exits_2(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("scale", "--url", server.url, "--to", "9") == EXIT_USAGE
+    assert "--max-ep-size" in capsys.readouterr().out
+    assert server.engine.ops == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["scale", "--url", "http://127.0.0.1:1", "--to", "0"],
+        ["scale", "--url", "http://127.0.0.1:1", "--to", "two"],
+        ["scale", "--url", "http://127.0.0.1:1"],
+        ["scale", "--to", "4"],
+        ["events", "--url", "http://127.0.0.1:1", "--last-event-id", "-1"],
+        ["frobnicate"],
+        [],
+    ],
+)
+def test_bad_usage_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(*argv) == EXIT_USAGE
+    assert "usage" in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("--help") == EXIT_OK
+    assert "exit codes: 0 done, 1 failed, 2 bad usage, 3 conflict" in capsys.readouterr().out
+
+
+def test_unreachable_server_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert run("scale", "--url", url, "--to", "4", "--retries", "1") == EXIT_FAILED
+    captured = capsys.readouterr()
+    assert "retrying with the same id" in captured.out
+    assert "cannot reach" in captured.err
+    assert run("status", "--url", url) == EXIT_FAILED
+    assert run("events", "--url", url) == EXIT_FAILED
+
+
+def test_api_key(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    with serving(AutoEngine(), api_key_check=sglang_admin_auth(None, "k-admin")) as srv:
+        assert run("scale", "--url", srv.url, "--to", "4") == EXIT_USAGE
+        assert "--api-key" in capsys.readouterr().out
+        assert run("status", "--url", srv.url) == EXIT_USAGE
+        assert run("events", "--url", srv.url) == EXIT_USAGE
+        assert srv.engine.ops == []
+        assert run("scale", "--url", srv.url, "--to", "4", "--api-key", "k-admin", "--wait",
+                   "--poll-interval", "0.02") == EXIT_OK
+        monkeypatch.setenv("SGLANG_EEP_API_KEY", "k-admin")
+        assert run("status", "--url", srv.url) == EXIT_OK
+
+
+def test_status_table_and_json(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    server.plane.report_rank_failed([1], "heartbeat lost")
+    assert run("status", "--url", server.url) == EXIT_OK
+    out = capsys.readouterr().out
+    assert INSTANCE in out and "2 (max 8)" in out
+    assert "failed" in out and "inactive" in out
+    assert run("status", "--url", server.url, "--json") == EXIT_OK
+    status = json.loads(capsys.readouterr().out)
+    assert status["ranks"][1]["state"] == "failed"
+
+
+def test_events_backlog(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    server.plane.report_rank_failed([1], "heartbeat lost")
+    server.plane.report_recovery_required([1], "heartbeat lost")
+    assert run("events", "--url", server.url) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "#1" in out and "rank_failed" in out and "reason=heartbeat lost" in out
+    assert "#2" in out and "recovery_required" in out
+    assert run("events", "--url", server.url, "--json", "--last-event-id", "1") == EXIT_OK
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [json.loads(line)["event_id"] for line in lines] == [2]
+
+
+def test_events_follow_prints_new_events(capsys: pytest.CaptureFixture[str]) -> None:
+    with serving(AutoEngine(step_s=0.05), poll_interval_s=0.02) as srv:
+        url = srv.url
+
+        def scale_soon() -> None:
+            time.sleep(0.3)
+            assert run("scale", "--url", url, "--to", "4") == EXIT_OK
+
+        threading.Thread(target=scale_soon, daemon=True).start()
+        code = run("events", "--url", srv.url, "--follow", "--json", "--max-events", "2",
+                   "--last-event-id", "0")
+        assert code == EXIT_OK
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        assert [json.loads(line)["type"] for line in lines] == [
+            "scale_requested", "scale_committed"
+        ]
+
+
+def test_sse_parser_follows_the_event_stream_rules() -> None:
+    text = (
+        "retry: 1500\n: a comment\n\n"
+        "id: 7\nevent: rank_failed\ndata: {\"a\":\ndata: 1}\n\n"
+        "data:no-space\n\n"
+        "id: 8\n\n"  # no data: dispatches nothing
+    )
+    messages = list(iter_sse(text.splitlines()))
+    assert [(m.event, m.data, m.id) for m in messages] == [
+        ("rank_failed", '{"a":\n1}', "7"),
+        ("message", "no-space", None),
+    ]
