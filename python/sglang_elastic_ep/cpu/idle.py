@@ -60,3 +60,23 @@ def install_idle_sleeper(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
     channels = scheduler.ipc_channels
     sockets = [s for s in (channels.recv_from_tokenizer, channels.recv_from_rpc) if s is not None]
     scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout)
+
+
+def dp_controller_event_loop(controller: Any) -> None:
+    """REPLACE ``DataParallelController.event_loop``: upstream drains its socket with NOBLOCK
+    reads in an endless loop (a quarter of a core at idle); here it blocks in ``poll`` until a
+    request arrives (at most 50 ms, so the soft watchdog is still fed), then drains the same way."""
+    import zmq
+    from sglang.srt.managers import data_parallel_controller as dpc
+
+    poller = zmq.Poller()
+    poller.register(controller.recv_from_tokenizer, zmq.POLLIN)
+    while True:
+        poller.poll(50)
+        while True:
+            controller.soft_watchdog.feed()
+            try:
+                recv_req = dpc.sock_recv(controller.recv_from_tokenizer, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            controller._request_dispatcher(recv_req)

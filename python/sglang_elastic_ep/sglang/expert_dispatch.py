@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 
 _slot_to_rank_cache: dict[tuple[int, int, str], torch.Tensor] = {}
 _dropped_counters: dict[str, torch.Tensor] = {}
-_width_cache: dict[str, Any] = {"tensor": None, "version": -1, "width": 0}
 _warned: set[str] = set()
 
 
@@ -95,7 +94,7 @@ def _route_live(topk_ids: torch.Tensor, physical: torch.Tensor, info: Any) -> to
     device = topk_ids.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     table = info.partial_logical_to_all_physical_map
-    width = _replica_width(metadata, table, info.num_physical_experts, capturing)
+    width = _replica_width(table, info.num_physical_experts)
     slot_to_rank = _slot_to_rank(
         info.num_physical_experts, metadata.num_local_physical_experts, device, capturing
     )
@@ -280,30 +279,16 @@ def _slot_to_rank(
     return table
 
 
-def _replica_width(
-    metadata: Any, table: torch.Tensor, num_physical: int, capturing: bool
-) -> int:
-    """How many columns of the padded replica table (``[L, P]``) the kernel must look at.
+def _replica_width(table: torch.Tensor, num_physical: int) -> int:
+    """How many columns of SGLang's replica table (``[L, P]``, ``-1``-padded) the kernel reads.
 
-    Eager: the largest replica count of the current layout, read from the host copy SGLang keeps
-    (recomputed only when EPLB changed it), rounded up to a power of two to bound recompiles.
-    While a CUDA graph is captured: ``P - L + 1``, the most any layout can give one expert
-    (every logical expert keeps a slot), so later EPLB updates stay inside the captured width.
+    ``P - L + 1``: the most replicas any layout can give one expert, since every logical expert
+    keeps a slot. It depends on shapes only, so it is the same in eager warm-up and in CUDA-graph
+    capture (no Triton compile inside a capture) and stays valid after any EPLB update of a
+    captured graph's tables. Columns past an expert's count are masked, not read.
     """
     num_logical, x = table.shape
-    bound = max(1, min(x, num_physical - num_logical + 1))
-    cpu = getattr(metadata, "logical_to_all_physical_map_cpu", None)
-    if capturing or cpu is None:
-        return bound
-    try:
-        version = cpu._version
-    except RuntimeError:  # an inference tensor has no version counter: cannot cache safely
-        return bound
-    if _width_cache["tensor"] is not cpu or _width_cache["version"] != version:
-        widest = int((cpu != -1).sum(dim=-1).max()) if cpu.numel() else 1
-        _width_cache.update(tensor=cpu, version=version, width=widest)
-    widest = max(1, int(_width_cache["width"]))
-    return min(x, 1 << (widest - 1).bit_length())
+    return max(1, min(x, num_physical - num_logical + 1))
 
 
 def _dropped_counter(device: torch.device, capturing: bool) -> torch.Tensor | None:
@@ -328,7 +313,6 @@ def reset_caches() -> None:
     """Forget the cached tables and counters (tests; a new engine in the same process)."""
     _slot_to_rank_cache.clear()
     _dropped_counters.clear()
-    _width_cache.update(tensor=None, version=-1, width=0)
 
 
 def _warn_once(key: str, message: str) -> None:
