@@ -75,6 +75,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{S}eplb.expert_location_dispatch.topk_ids_logical_to_physical",
          "sglang.expert_dispatch:topk_ids_logical_to_physical", "AROUND", "all",
          "picks on inactive ranks move to live replicas (-1 if none) from the next forward on"),
+    # --- orchestrator contract ---------------------------------------------------------
+    Hook(f"{S}entrypoints.http_server.set_global_state", "sglang.http_adapter:mount_on_server",
+         "AFTER", "all",
+         "mounts operation ids, status, SSE events, health on the app (elastic EP only)"),
     # --- CPU engine ------------------------------------------------------------------------
     Hook(f"{S}distributed.bootstrap._resolve_backend", "cpu.mooncake_cpu:resolve_backend",
          "AFTER", "cpu", "upstream picks the mooncake backend only on CUDA; CPU: mooncake-cpu"),

@@ -45,6 +45,29 @@ def chat(url: str) -> str:
     return choice["message"]["content"]
 
 
+def check_contract_on_fixed_size_server(url: str) -> None:
+    """The orchestrator endpoints are mounted on the real server; bad input changes nothing."""
+    before = httpx.get(url + "/elastic_ep/status", timeout=30).json()
+    assert before["effective_ep_size"] == 2 and before["max_ep_size"] == 2
+    assert [r["state"] for r in before["ranks"]] == ["active", "active"]
+    for method in ("GET", "POST"):
+        resp = httpx.request(method, url + "/is_scaling_elastic_ep", timeout=30)
+        assert resp.status_code == 200 and resp.json()["is_scaling_elastic_ep"] is False
+    bad = [
+        ({"new_ep_size": 3}, 400, "max-ep-size"),
+        ({"new_tp_size": 0}, 400, "at least 1"),
+        ({"new_ep_size": 2, "new_tp_size": 3}, 400, "new_tp_size"),
+        ({"new_ep_size": "2"}, 400, ""),
+    ]
+    for body, code, words in bad:
+        resp = httpx.post(url + "/scale_elastic_ep", json=body, timeout=30)
+        assert resp.status_code == code, (body, resp.text)
+        assert words in resp.text
+        assert resp.json()["instance_id"] == before["instance_id"]
+    after = httpx.get(url + "/elastic_ep/status", timeout=30).json()
+    assert after["effective_ep_size"] == 2 and after["recent_operations"] == []
+
+
 @pytest.mark.timeout(900)
 def test_two_rank_ep_server_matches_one_rank(tiny_model: Path) -> None:
     with LocalCluster(ClusterSpec(tiny_model, ep_size=1, elastic=False)) as one:
@@ -59,6 +82,7 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path) -> None:
         assert len(two.primary.scheduler_pids()) == 2
         outputs, shards = greedy_outputs(two.url)
         two_chat = chat(two.url)
+        check_contract_on_fixed_size_server(two.url)
 
     assert shards == {0, 1}, f"round-robin should use both DP shards, saw {shards}"
     mismatched = {p: (reference[p], outputs[p]) for p in reference if reference[p] != outputs[p]}

@@ -1,0 +1,119 @@
+"""Mounts the orchestrator contract on SGLang's FastAPI app (HTTP server process only).
+
+The control plane (operation ids, status, events, health) lives here; the engine underneath is
+SGLang's own tokenizer -> scheduler path. A scale-up is handed to upstream's
+``TokenizerManager.scale_elastic_ep``; a watcher mirrors the schedulers' phase (reported back to
+the tokenizer) into the operation until it commits or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+from sglang_elastic_ep.core.api_models import OperationKind
+from sglang_elastic_ep.core.operations import Operation
+from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.core.validation import ScaleTopology
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.2
+_UPSTREAM_PHASES = {p.value: p for p in Phase}
+
+_plane: InProcessControlPlane | None = None
+
+
+def control_plane() -> InProcessControlPlane | None:
+    """The process's control plane (None unless elastic EP is on and the server started)."""
+    return _plane
+
+
+def topology_from_args(server_args: Any) -> tuple[ScaleTopology, int]:
+    """(topology, launch EP size): with DP attention one EP rank per TP rank."""
+    ep_size = int(server_args.tp_size)
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+    replica = max(1, ep_size // dp_size) if getattr(server_args, "enable_dp_attention", False) \
+        else ep_size
+    max_ep = int(server_args.max_ep_size or ep_size)
+    return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica), ep_size
+
+
+class UpstreamEngine:
+    """Starts operations through SGLang's tokenizer manager and watches them to the end."""
+
+    def __init__(self, tokenizer_manager: Any, plane_ref: list[InProcessControlPlane]) -> None:
+        self._tm = tokenizer_manager
+        self._plane_ref = plane_ref
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, op: Operation) -> None:
+        if op.kind is not OperationKind.SCALE_UP:
+            raise NotImplementedError(
+                f"{op.kind.value} is not available in this build of sglang-elastic-ep"
+            )
+        from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
+
+        result = await self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size))
+        if not result.success:
+            raise RuntimeError(result.message)
+        task = asyncio.get_running_loop().create_task(self._watch(op.operation_id))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, operation_id: str) -> None:
+        plane = self._plane_ref[0]
+        last = None
+        while True:
+            state = self._tm.get_elastic_ep_state()
+            phase = _UPSTREAM_PHASES.get(str(state.get("scale_phase")))
+            if phase is not None and phase != last and phase not in (Phase.IDLE,):
+                last = phase
+                if phase is Phase.SERVING_EXPANDED:
+                    plane.finish_operation(operation_id)
+                    return
+                if phase is Phase.FAILED:
+                    plane.finish_operation(operation_id, error=state.get("last_error") or "failed")
+                    return
+                try:
+                    plane.record_phase(operation_id, phase)
+                except Exception:  # an illegal jump in the mirror is not worth failing over
+                    logger.debug("elastic EP: phase %s not recorded", phase, exc_info=True)
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+def mount_on_server(result: Any, global_state: Any) -> None:
+    """AFTER ``http_server.set_global_state``: build the control plane and mount the routes."""
+    global _plane
+    tm = global_state.tokenizer_manager
+    server_args = tm.server_args
+    if getattr(server_args, "elastic_ep_backend", None) is None or _plane is not None:
+        return
+    from sglang.srt.entrypoints import http_server
+
+    from sglang_elastic_ep.api.routes import mount_elastic_ep
+
+    topology, ep_size = topology_from_args(server_args)
+    ref: list[InProcessControlPlane] = []
+    plane = InProcessControlPlane(
+        topology=topology, initial_ep_size=ep_size, engine=UpstreamEngine(tm, ref)
+    )
+    ref.append(plane)
+    mount_elastic_ep(
+        http_server.app,
+        plane,
+        api_key=getattr(server_args, "api_key", None),
+        admin_api_key=getattr(server_args, "admin_api_key", None),
+    )
+    url = getattr(server_args, "elastic_ep_webhook_url", None)
+    if url:
+        from sglang_elastic_ep.api.webhook import WebhookSender
+
+        WebhookSender(plane.events, url).start()
+    _plane = plane
+    logger.info(
+        "elastic EP API mounted: instance %s, ep size %d (max %d)",
+        plane.instance_id, ep_size, topology.max_ep_size,
+    )
