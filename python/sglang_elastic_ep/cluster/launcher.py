@@ -36,6 +36,8 @@ CPU_ENV = {
     # Several ranks share 2 cores: OpenMP's spinning worker threads in every process would
     # fight each other (a tiny matmul then takes milliseconds). One thread per rank.
     "OMP_NUM_THREADS": "1",
+    # NIXL EP dispatches fp8 unless told otherwise; the CPU buffer moves the model's dtype.
+    "SGLANG_NIXL_EP_BF16_DISPATCH": "1",
 }
 
 
@@ -87,6 +89,8 @@ def base_server_args(spec: ClusterSpec, port: int) -> list[str]:
         args += ["--max-ep-size", str(spec.max_ep_size)]
     if spec.moe_a2a_backend != "none":
         args += ["--moe-a2a-backend", spec.moe_a2a_backend]
+    if spec.moe_a2a_backend == "nixl":
+        args += ["--deepep-mode", "low_latency"]
     return args + list(spec.extra_args)
 
 

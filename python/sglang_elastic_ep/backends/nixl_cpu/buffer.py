@@ -36,7 +36,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -262,7 +261,6 @@ class Buffer:
         self._peers: dict[int, _Peer] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._pending_hook: RecvHook | None = None
-        self._barrier_seq = 0
 
     # ------------------------------------------------------------------ sizing and memory
 
@@ -439,8 +437,11 @@ class Buffer:
                 "must call update_memory_buffers with the same sizes"
             )
         old = self._peers.pop(rank, None)
-        if old is not None and old.agent != info["agent"]:
-            self._forget_agent(old)
+        if old is not None:
+            if old.agent != info["agent"]:
+                self._forget_agent(old)
+            else:
+                self._release_xfers(old)
         if old is None or old.agent != info["agent"]:
             name = self._agent.add_remote_agent(info["md"])
             name = name.decode() if isinstance(name, bytes) else str(name)
@@ -494,6 +495,7 @@ class Buffer:
         layout = self.layout
         loaded: dict[int, str] = {}  # rank -> agent whose metadata is loaded
         sent: dict[int, str] = {}  # rank -> agent our handshake write went to
+        failed_at: dict[int, float] = {}  # rank -> when our handshake write last failed
         acked: set[int] = set()  # the peer's handshake naming our agent arrived
         last_read: dict[int, float] = {}
         waiting = set(ranks)
@@ -502,22 +504,25 @@ class Buffer:
         while True:
             now = time.monotonic()
             for r in sorted(waiting):
-                peer = self._peers.get(r)
-                # (Re)read the peer's key: at first, and while its handshake is missing.
+                # (Re)read the peer's key: at first, and while its handshake is missing (a
+                # replacement process may have published newer metadata).
                 if r not in acked and now - last_read.get(r, -1e9) >= HANDSHAKE_REFRESH_S:
                     last_read[r] = now
                     key = self._store_key(r)
                     if store.check([key]):
                         info = pickle.loads(store.get(key))
                         if loaded.get(r) != info["agent"]:
-                            peer = self._load_peer(r, info)
-                            loaded[r] = peer.agent
+                            loaded[r] = self._load_peer(r, info).agent
                             sent.pop(r, None)
+                            failed_at.pop(r, None)
                             acked.discard(r)
                 peer = self._peers.get(r)
                 if peer is None or loaded.get(r) != peer.agent:
                     continue
-                if sent.get(r) != peer.agent:
+                if (
+                    sent.get(r) != peer.agent
+                    and now - failed_at.get(r, -1e9) >= HANDSHAKE_REFRESH_S
+                ):
                     self._release_xfers(peer)
                     notif = b"H|%d|%s" % (self.rank, peer.agent.encode())
                     if self._post(
@@ -525,11 +530,14 @@ class Buffer:
                         mask_on_error=False,
                     ):
                         sent[r] = peer.agent
+                    else:
+                        failed_at[r] = now
                 if r not in acked and self._take_handshake(peer, me):
                     acked.add(r)
-                if r in sent and self._check_xfers(peer, mask_on_error=False) is False:
-                    # The write failed (a stale agent): retry after the next key read.
+                if r in sent and not self._check_xfers(peer, mask_on_error=False):
+                    # The write failed (a stale agent?): retry after the next key read.
                     sent.pop(r, None)
+                    failed_at[r] = now
                 if r in acked and r in sent and not peer.xfers:
                     waiting.discard(r)
             if not waiting:
@@ -538,8 +546,8 @@ class Buffer:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"connect_ranks: rank {self.rank} got no handshake from ranks "
-                    f"{sorted(waiting)} within {self.connect_timeout_s:.0f} s (every rank named "
-                    "must call connect_ranks with this rank at about the same time)"
+                    f"{sorted(waiting)} within {self.connect_timeout_s:.0f} s (every rank "
+                    "named must call connect_ranks with this rank at about the same time)"
                 )
             backoff()
         for r in ranks:
@@ -548,20 +556,18 @@ class Buffer:
             peer.recv_seq.clear()
 
     def _take_handshake(self, peer: _Peer, my_agent: bytes) -> bool:
+        """Find the peer's handshake naming our agent. Notifications are FIFO per sender and a
+        peer sends data only after its handshake, so what precedes it is from an older
+        session and is dropped."""
         msgs = self._inbox.get(peer.agent)
         if not msgs:
             return False
-        found = False
-        keep = []
-        for m in msgs:
-            if m.startswith(b"H|"):
-                parts = m.split(b"|")
-                if len(parts) == 3 and parts[2] == my_agent:
-                    found = True
-                continue  # handshakes naming another agent of ours are stale
-            keep.append(m)
-        self._inbox[peer.agent] = keep
-        return found
+        for i in range(len(msgs) - 1, -1, -1):
+            parts = msgs[i].split(b"|")
+            if parts[0] == b"H" and len(parts) == 3 and parts[2] == my_agent:
+                self._inbox[peer.agent] = [m for m in msgs[i + 1 :] if not m.startswith(b"H|")]
+                return True
+        return False
 
     def disconnect_ranks(self, remote_ranks: Iterable[int]) -> None:
         """Drop the connections to ``remote_ranks`` (one-sided; no handshake).
@@ -628,28 +634,27 @@ class Buffer:
             self._release(h)
         peer.xfers.clear()
 
-    def _check_xfers(self, peer: _Peer, *, mask_on_error: bool = True) -> bool | None:
-        """Reap the peer's finished writes. False if one failed, else True."""
-        ok = True
+    def _check_xfers(self, peer: _Peer, *, mask_on_error: bool = True) -> bool:
+        """Reap the peer's finished writes; False if one failed (and mask it if asked)."""
+        failed: str | None = None
         still = []
         for h in peer.xfers:
             try:
                 state = self._agent.check_xfer_state(h)
                 reason = "NIXL transfer state ERR"
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - NIXL raises per error code
                 state, reason = "ERR", _nixl_error(exc)
             if state == "DONE":
                 self._release(h)
             elif state == "ERR":
                 self._release(h)
-                ok = False
-                if mask_on_error:
-                    self._mask(peer, reason)
+                failed = reason
             else:
                 still.append(h)
-        if peer.xfers is not None:
-            peer.xfers[:] = still if ok or not mask_on_error else []
-        return ok
+        peer.xfers[:] = still
+        if failed is not None and mask_on_error:
+            self._mask(peer, failed)
+        return failed is None
 
     def _probe(self, peer: _Peer, now: float) -> None:
         """A tiny WRITE to a silent peer whose earlier writes all completed: a dead process
@@ -899,7 +904,7 @@ class Buffer:
             rows = torch.cat([q.view(torch.uint8), scales.view(torch.uint8)], dim=1)
             code = _FP8_CODE
         else:
-            rows = x.contiguous().view(torch.uint8).reshape(n_tok, -1)
+            rows = x.contiguous().view(torch.uint8).reshape(n_tok, hidden * x.element_size())
             code = _DTYPE_CODES[x.dtype]
         row_bytes = row_bytes_for(hidden, x.element_size(), use_fp8)
         payload = rows[tok]
@@ -1079,7 +1084,7 @@ class Buffer:
             e_counts = torch.zeros(local_e, dtype=torch.int64)
             nbytes = self._write_message(
                 off, KIND_COMBINE, seq, code, e_counts, None,
-                rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1),
+                rows.contiguous().view(torch.uint8).reshape(rows.shape[0], rows.shape[-1] * rows.element_size()),
                 f"combine to rank {r}",
             )
             if self._post(peer, off, layout.combine_recv(self.rank), nbytes, b"C|%d" % seq):
@@ -1153,14 +1158,3 @@ class Buffer:
         deadline = self._deadline()
         self._wait(_NOTIF_BARRIER, peers, deadline)
         self._flush(peers, deadline)
-
-    def wait_store(self, keys: list[str], timeout_s: float) -> None:
-        """Helper for callers: TCPStore wait with this buffer's agent kept progressing."""
-        store = self.tcp_store_group
-        deadline = time.monotonic() + timeout_s
-        backoff = _Backoff()
-        while not store.check(keys):
-            self._poll()
-            if time.monotonic() >= deadline:
-                store.wait(keys, timedelta(milliseconds=1))
-            backoff()

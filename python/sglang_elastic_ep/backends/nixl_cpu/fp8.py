@@ -36,7 +36,7 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize` for any leading shape: ``q [..., H]``, ``scales [..., H/128]``."""
+    """Inverse of :func:`quantize`: ``q [..., H]`` and ``scales [..., H/128]``."""
     h = q.shape[-1]
     lead = q.shape[:-1]
     xg = q.float().reshape(*lead, h // GROUP, GROUP) * scales.float().unsqueeze(-1)

@@ -1,0 +1,64 @@
+"""SGLang's NIXL EP path (``--moe-a2a-backend nixl``) on the CPU engine.
+
+Upstream's ``NixlEPDispatcher`` imports ``nixl_ep.Buffer`` (GPU only) and keeps its mask buffer
+on ``"cuda"``; its MoE runners for the packed low-latency layout are GPU kernels. With these
+hooks the same dispatcher, scale-up path and mask-based fault detection run on CPU over
+:class:`sglang_elastic_ep.backends.nixl_cpu.buffer.Buffer` (real NIXL transfers of host memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def load_nixl_ep() -> tuple[type, torch.dtype]:
+    """REPLACE ``token_dispatcher.nixl._load_nixl_ep``: the CPU buffer, int64 top-k ids."""
+    from sglang_elastic_ep.backends.nixl_cpu.buffer import Buffer
+
+    return Buffer, torch.int64
+
+
+def dispatcher_impl_init(original: Callable, impl: Any, *args: Any, **kwargs: Any) -> None:
+    """AROUND ``_NixlEPDispatcherImplBase.__init__``: upstream allocates the mask buffer on
+    ``"cuda"`` when elastic EP is on. Run it with the elastic state hidden (so it skips that),
+    then give the dispatcher the same mask buffer on CPU."""
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+    from sglang.srt.runtime_context import get_parallel
+
+    state = ElasticEPStateManager._instance
+    ElasticEPStateManager._instance = None
+    try:
+        original(impl, *args, **kwargs)
+    finally:
+        ElasticEPStateManager._instance = state
+    if state is not None:
+        impl.active_ranks = state.active_ranks
+        max_ep = get_parallel().max_ep_size or impl._active_world_size
+        impl._mask_buffer = torch.zeros(max_ep, dtype=torch.int32)
+
+
+def run_moe_core(original: Callable, layer: Any, dispatch_output: Any) -> Any:
+    """AROUND ``FusedMoE.run_moe_core``: experts compute on the packed per-expert rows the
+    buffer delivered (same math as the native MoE); other formats go to upstream."""
+    if not dispatch_output.format.is_deepep_ll():
+        return original(layer, dispatch_output)
+    from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput
+
+    from sglang_elastic_ep.cpu.moe import packed_experts_forward
+
+    if dispatch_output.hidden_states_scale is not None:
+        raise NotImplementedError(
+            "fp8 NIXL dispatch is not supported on the CPU engine: set "
+            "SGLANG_NIXL_EP_BF16_DISPATCH=1"
+        )
+    hidden = packed_experts_forward(
+        layer, dispatch_output.hidden_states, dispatch_output.masked_m, layer.moe_runner_config
+    )
+    return DeepEPLLCombineInput(
+        hidden_states=hidden,
+        topk_ids=dispatch_output.topk_ids,
+        topk_weights=dispatch_output.topk_weights,
+    )
