@@ -86,7 +86,8 @@ def base_server_args(spec: ClusterSpec, port: int) -> list[str]:
             "--elastic-ep-fault-window", str(spec.fault_window_s),
         ]
     if spec.max_ep_size:
-        args += ["--max-ep-size", str(spec.max_ep_size)]
+        # Runtime scale-up needs a DP-local LM head (the launch-time TP group must not span ranks).
+        args += ["--max-ep-size", str(spec.max_ep_size), "--enable-dp-lm-head"]
     if spec.moe_a2a_backend != "none":
         args += ["--moe-a2a-backend", spec.moe_a2a_backend]
     if spec.moe_a2a_backend == "nixl":
@@ -97,13 +98,21 @@ def base_server_args(spec: ClusterSpec, port: int) -> list[str]:
 class ServerProcess:
     """One ``sglang.launch_server`` process (and its children), started in its own session."""
 
-    def __init__(self, name: str, args: list[str], port: int, log_dir: Path, cpus: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        port: int,
+        log_dir: Path,
+        cpus: int,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{port}.log"
-        env = {**os.environ, **CPU_ENV}
+        env = {**os.environ, **CPU_ENV, **(extra_env or {})}
         # One OMP thread set per rank; ranks share the machine's cores round-robin.
         ncores = max(1, os.cpu_count() or 1)
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % ncores) for i in range(cpus))
@@ -187,6 +196,9 @@ class LocalCluster:
         self.primary: ServerProcess | None = None
         self.joiners: list[ServerProcess] = []
         self.dist_port = 0
+        # SGLang's global TCPStore (NIXL metadata, scale cohorts) listens on a fixed default
+        # port; each cluster gets a free one, shared by its primary and joiners.
+        self.env = {"SGLANG_TCP_STORE_PORT": str(free_port())}
 
     @property
     def url(self) -> str:
@@ -200,7 +212,8 @@ class LocalCluster:
         if self.spec.elastic:
             args += ["--dist-init-addr", f"127.0.0.1:{self.dist_port}"]
         self.primary = ServerProcess(
-            f"primary-ep{self.spec.ep_size}", args, port, self.spec.log_dir, self.spec.ep_size
+            f"primary-ep{self.spec.ep_size}", args, port, self.spec.log_dir, self.spec.ep_size,
+            self.env,
         )
         if wait:
             self.primary.wait_ready(self.spec.ready_timeout_s)
@@ -219,10 +232,16 @@ class LocalCluster:
             "--dist-init-addr", f"127.0.0.1:{self.dist_port}",
             "--ep-join-mode", mode,
             "--nnodes", "2", "--node-rank", "1",
+            "--moe-dense-tp-size", "1",
         ]
         if mode == "scale":
-            args += ["--elastic-ep-join-rank-offset", str(rank_offset)]
-        joiner = ServerProcess(f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size)
+            args += [
+                "--elastic-ep-join-rank-offset", str(rank_offset),
+                "--elastic-ep-initial-size", str(self.spec.ep_size),
+            ]
+        joiner = ServerProcess(
+            f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size, self.env
+        )
         self.joiners.append(joiner)
         return joiner
 

@@ -274,3 +274,25 @@ class RankAgreement:
         is kept: a slow member must still find it.
         """
         self.store.delete_key(self._intent_key(self.rank))
+
+
+class LockstepVerdict(str, enum.Enum):
+    """What every rank does this pass, decided from the same reduced values on every rank."""
+
+    NOTHING_PENDING = "nothing_pending"  # no rank sees a scale: run the normal per-pass step
+    ENTER = "enter"  # every rank sees the same target: enter the collective membership step
+    WAIT = "wait"  # ranks disagree (one saw the request later): keep serving, retry next pass
+
+
+def lockstep_verdict(max_target: int, min_target: int) -> LockstepVerdict:
+    """Agreement for ranks that already run in lockstep (DP attention: every pass has a
+    collective). Each rank contributes the scale target it sees (0 for none); one all-reduce of
+    ``(target, -target)`` with MAX gives every rank the same (max, min), hence the same verdict:
+    no rank can enter a membership collective that another rank skips on this pass."""
+    if max_target < 0 or min_target < 0 or min_target > max_target:
+        raise ValueError(f"bad reduced targets: max={max_target} min={min_target}")
+    if max_target == 0:
+        return LockstepVerdict.NOTHING_PENDING
+    if min_target == max_target:
+        return LockstepVerdict.ENTER
+    return LockstepVerdict.WAIT

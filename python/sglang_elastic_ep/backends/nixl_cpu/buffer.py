@@ -69,6 +69,12 @@ PROBE_EVERY_S = 0.05
 # may have published newer metadata than the one loaded).
 HANDSHAKE_REFRESH_S = 0.1
 MAX_INBOX_PER_AGENT = 64
+_TRACE = os.environ.get("NIXL_CPU_TRACE") == "1"
+
+
+def _trace(fmt: str, *args: Any) -> None:
+    if _TRACE:
+        print(f"[trace {time.monotonic():.4f} pid {os.getpid()}] " + fmt % args, flush=True)
 
 topk_idx_t = torch.int64
 
@@ -542,7 +548,7 @@ class Buffer:
                     waiting.discard(r)
             if not waiting:
                 break
-            self._poll()
+            self._poll(skip=waiting)
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"connect_ranks: rank {self.rank} got no handshake from ranks "
@@ -585,8 +591,17 @@ class Buffer:
 
     # ------------------------------------------------------------------ transfers
 
-    def _poll(self) -> None:
+    def _poll(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """Progress: reap EVERY outstanding write (except to ``skip`` ranks, whose caller does
+        it) and collect notifications. A write is only driven when its status is checked (no
+        progress thread), and a peer may be waiting for our write to a third rank: checking
+        only the peers we wait for deadlocked a cycle of 3 ranks on UCX/TCP."""
+        for r, peer in list(self._peers.items()):
+            if peer.xfers and r not in skip:
+                self._check_xfers(peer)
         new = self._agent.get_new_notifs()
+        if new and _TRACE:
+            _trace("rank %d notifs %s", self.rank, new)
         for name, msgs in new.items():
             box = self._inbox.setdefault(name, [])
             box.extend(msgs)
@@ -615,6 +630,7 @@ class Buffer:
             if mask_on_error:
                 self._mask(peer, _nixl_error(exc))
             return False
+        _trace("rank %d post -> %d %r %d B: %s", self.rank, peer.rank, notif, nbytes, state)
         if state == "ERR":
             self._release(handle)
             if mask_on_error:
@@ -645,6 +661,7 @@ class Buffer:
             except Exception as exc:  # noqa: BLE001 - NIXL raises per error code
                 state, reason = "ERR", _nixl_error(exc)
             if state == "DONE":
+                _trace("rank %d xfer -> %d DONE", self.rank, peer.rank)
                 self._release(h)
             elif state == "ERR":
                 self._release(h)
@@ -684,6 +701,8 @@ class Buffer:
                 continue
             seq = int(m[len(tag) + 1 :])
             if seq < expected:
+                logger.debug("rank %d: dropping stale %r from rank %d (expected seq %d)",
+                             self.rank, m, peer.rank, expected)
                 msgs.pop(i)
                 return self._take(peer, tag)
             msgs.pop(i)
@@ -712,7 +731,6 @@ class Buffer:
                     got[r] = seq
                     del waiting[r]
                     continue
-                self._check_xfers(peer)
                 if not peer.masked and now - start >= PROBE_AFTER_S:
                     self._probe(peer, now)
                 if peer.masked:
@@ -721,6 +739,13 @@ class Buffer:
                 break
             if now >= deadline:
                 for peer in waiting.values():
+                    logger.warning(
+                        "rank %d: no %s from rank %d (agent %s): expected seq %d, pending "
+                        "notifications %s, writes in flight %d",
+                        self.rank, tag.decode(), peer.rank, peer.agent,
+                        peer.recv_seq.get(tag, 0) + 1, self._inbox.get(peer.agent, [])[-8:],
+                        len(peer.xfers),
+                    )
                     self._mask(
                         peer, f"timeout: no {tag.decode()} message within {self.timeout_ms} ms"
                     )
@@ -734,8 +759,6 @@ class Buffer:
         backoff = _Backoff()
         while pending:
             self._poll()
-            for peer in pending:
-                self._check_xfers(peer)
             pending = [p for p in pending if p.xfers and not p.masked]
             if not pending:
                 break
@@ -1084,7 +1107,9 @@ class Buffer:
             e_counts = torch.zeros(local_e, dtype=torch.int64)
             nbytes = self._write_message(
                 off, KIND_COMBINE, seq, code, e_counts, None,
-                rows.contiguous().view(torch.uint8).reshape(rows.shape[0], rows.shape[-1] * rows.element_size()),
+                rows.contiguous().view(torch.uint8).reshape(
+                    rows.shape[0], rows.shape[-1] * rows.element_size()
+                ),
                 f"combine to rank {r}",
             )
             if self._post(peer, off, layout.combine_recv(self.rank), nbytes, b"C|%d" % seq):

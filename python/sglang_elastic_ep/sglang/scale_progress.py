@@ -1,0 +1,111 @@
+"""Keep elastic membership work moving when a server has no traffic.
+
+Upstream advances a pending scale-up (cohort check, admission, commit) and rank recovery only at
+the end of a forward pass (``ModelRunner.maybe_join_ep_ranks``). An idle cluster runs no forward
+passes, so a POSTed scale-up waited until the next request arrived (minutes, on a quiet night).
+With DP attention every rank reaches ``Scheduler.on_idle`` on the same loop iteration (the
+token-count all-gather just told all of them that no rank has work), so calling the same step
+there keeps the collective membership calls aligned across ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _elastic_state() -> Any:
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+
+    return ElasticEPStateManager
+
+
+def progress_membership_when_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``Scheduler.on_idle``: run the per-forward elastic step while a scale is pending."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    if _elastic_state().instance() is None or not (
+        parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size
+    ):
+        return
+    # Called on every idle pass (not only when this rank sees a scale): the agreement inside
+    # maybe_join_ep_ranks is a collective that every rank must enter on the same pass.
+    worker = getattr(scheduler, "tp_worker", None)
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return
+    runner.maybe_join_ep_ranks()
+    # Upstream reports commits and active ranks to the tokenizer after a batch; do it here too.
+    scheduler._maybe_report_active_ranks()
+
+
+def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
+    """AROUND ``elastic_ep.maybe_rebalance_after_rank_fault``: without ``--enable-eplb`` there is
+    no manager to rebalance with (upstream dereferences None and kills the scheduler). Record the
+    new active set and rely on the mask-aware dispatch (``expert_dispatch``) to route tokens to
+    live replicas instead."""
+    if eplb_manager is not None:
+        return original(eplb_manager=eplb_manager)
+    state = _elastic_state().instance()
+    if state is None or state.is_active_equal_last():
+        return False
+    state.snapshot_active_to_last()
+    state.sync_active_to_cpu()
+    logger.warning(
+        "[elastic-ep] active ranks changed to %s without EPLB: experts of inactive ranks are "
+        "served from live replicas where they exist (start with --enable-eplb to rebalance)",
+        state.active_ranks_cpu.tolist(),
+    )
+    return False
+
+
+_skew_seen: dict[int, int] = {}
+
+
+def _test_skew_passes() -> int:
+    """Test hook: ``SGLANG_EEP_TEST_SKEW="rank:passes"`` makes this rank see a pending scale
+    that many passes late (how the skew e2e proves the agreement); unset in production."""
+    import os
+
+    raw = os.environ.get("SGLANG_EEP_TEST_SKEW")
+    if not raw:
+        return 0
+    import torch.distributed as dist
+
+    rank, _, passes = raw.partition(":")
+    return int(passes) if dist.get_rank() == int(rank) else 0
+
+
+def agreed_join_step(original: Any, runner: Any) -> None:
+    """AROUND ``ModelRunner.maybe_join_ep_ranks``: enter the collective membership step only on
+    a pass where every active rank sees the same pending scale (see
+    :func:`sglang_elastic_ep.core.agreement.lockstep_verdict`). Upstream entered as soon as the
+    local rank saw the request, so two ranks could issue different collectives and hang."""
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
+
+    manager = _elastic_state()
+    state = manager.instance()
+    parallel = get_parallel()
+    if state is None or not (parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size):
+        return original(runner)
+    target = state.pending_ep_size or 0
+    if target:
+        seen = _skew_seen.setdefault(target, 0)
+        _skew_seen[target] = seen + 1
+        if seen < _test_skew_passes():
+            target = 0
+    reduced = torch.tensor([target, -target], dtype=torch.int64)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]))
+    if verdict is LockstepVerdict.WAIT:
+        logger.info("[elastic-ep] ranks disagree on the pending scale (%s): retry next pass",
+                    reduced.tolist())
+        return None
+    return original(runner)
