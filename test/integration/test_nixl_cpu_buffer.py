@@ -50,6 +50,16 @@ WORKER = Path(__file__).parent / "nixl_cpu_workers.py"
 SITE = Path(inspect.getfile(torch)).parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The reference math is tiny; with the ranks (and anything else) on 2 shared cores,
+    torch's OpenMP threads spin against them and made the checks ~50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ----------------------------------------------------------------------------- process driver
 
 
@@ -166,6 +176,7 @@ def run_plan(
             del alive[r]
     for r, proc in alive.items():
         assert proc.wait(timeout=30) == 0, f"rank {r} exited with {proc.returncode}"
+        note(f"rank {r} exited")
     return reports, pids
 
 
@@ -237,45 +248,41 @@ def check_phase(i: int, phase: list[int], reports: dict[int, dict[str, Any]]) ->
 # ----------------------------------------------------------------------------- multi-process
 
 
-@pytest.mark.timeout(60)
-def test_elastic_phases_match_dense_reference(cluster_factory) -> None:
-    """Scale 2 -> 3 -> 2 -> 3: the departed rank's slot is taken by a new process."""
-    plan = [[0, 1], [0, 1, 2], [0, 1], [0, 1, 2]]
-    cluster = cluster_factory(plan)
-    reports, pids = run_plan(cluster)
-    for i, phase in enumerate(plan):
-        check_phase(i, phase, reports[i])
-    # Rank 2 of phase 3 is a NEW process in the departed rank's slot, and the others talk to
-    # its agent, not the old one.
-    assert len(pids[2]) == 2 and pids[2][0] != pids[2][1]
-    old, new = reports[1][2]["agent"], reports[3][2]["agent"]
-    assert old != new
-    for r in (0, 1):
-        assert reports[1][r]["peers"][2] == old
-        assert 2 not in reports[2][r]["peers"]
-        assert reports[3][r]["peers"][2] == new
-        assert pids[r] == [reports[3][r]["pid"]]  # founders never restarted
+# Scale 2 -> 3 -> 2 -> 3 (the departed rank's slot taken by a new process), then rank 2 is
+# SIGKILLed mid-phase, disconnected, and its slot taken by yet another process.
+ELASTIC_PLAN = [[0, 1], [0, 1, 2], [0, 1], [0, 1, 2], [0, 1, -2], [0, 1], [0, 1, 2]]
 
 
-@pytest.mark.timeout(60)
-def test_killed_rank_is_masked_then_replaced(cluster_factory) -> None:
-    """SIGKILL mid-phase: the survivors mask it (NIXL reports the disconnect) well within the
-    timeout and finish the phase; then its slot is disconnected and reused by a new process."""
+@pytest.mark.timeout(150)
+def test_elastic_plan_matches_dense_reference(cluster_factory) -> None:
     timeout_ms = 4000
-    plan = [[0, 1, 2], [0, 1, -2], [0, 1], [0, 1, 2]]
+    plan = ELASTIC_PLAN
     cluster = cluster_factory(plan, timeout_ms)
     reports, pids = run_plan(cluster)
     for i, phase in enumerate(plan):
         check_phase(i, phase, reports[i])
+
+    # Rank 2 was three different processes (joined, left gracefully, new one killed, new one);
+    # the founders never restarted and always talk to the current agent of rank 2.
+    assert len(set(pids[2])) == 3
+    agents = [reports[i][2]["agent"] for i in (1, 3, 6)]
+    assert len(set(agents)) == 3
     for r in (0, 1):
-        rep = reports[1][r]
+        assert pids[r] == [reports[6][r]["pid"]]
+        assert reports[1][r]["peers"][2] == agents[0]
+        assert 2 not in reports[2][r]["peers"] and 2 not in reports[5][r]["peers"]
+        assert reports[3][r]["peers"][2] == agents[1]
+        assert reports[6][r]["peers"][2] == agents[2]
+
+    # The kill: survivors masked rank 2 because NIXL reported the disconnect, well within the
+    # timeout, and finished the phase (outputs checked above without rank 2's experts).
+    for r in (0, 1):
+        rep = reports[4][r]
         assert "NIXL_ERR_REMOTE_DISCONNECT" in rep["reasons"][2], rep["reasons"]
-        assert rep["fp32"]["elapsed_s"] < timeout_ms / 1000, rep["fp32"]["elapsed_s"]
-        assert reports[3][r]["peers"][2] == reports[3][2]["agent"]
-    assert len(pids[2]) == 2
+        assert rep["fp32"]["elapsed_s"] < timeout_ms / 1000 / 2, rep["fp32"]["elapsed_s"]
 
 
-@pytest.mark.timeout(45)
+@pytest.mark.timeout(90)
 def test_silent_rank_is_masked_after_timeout(cluster_factory) -> None:
     """A rank that stops answering (SIGSTOP: alive, connection open) is masked when the
     timeout expires instead of hanging the caller."""
@@ -339,7 +346,7 @@ def test_single_rank_round_trip_and_mask_semantics(solo_buffer) -> None:
     assert (handle.layout_range & 0xFFFFFFFF).squeeze(1).tolist() == count.tolist()
 
 
-def test_fp8_refusals_are_clear(solo_buffer) -> None:
+def test_refusals_are_clear(solo_buffer) -> None:
     x, ids, _ = W.phase_inputs(0, 0, 1)  # hidden 64: no per-128 scales
     with pytest.raises(ValueError, match="SGLANG_NIXL_EP_BF16_DISPATCH"):
         solo_buffer.dispatch(x, ids, W.MAX_TOKENS, W.LOCAL_EXPERTS, use_fp8=True)
@@ -347,6 +354,9 @@ def test_fp8_refusals_are_clear(solo_buffer) -> None:
     with pytest.raises(NotImplementedError, match="ue8m0"):
         solo_buffer.dispatch(x128, ids, W.MAX_TOKENS, W.LOCAL_EXPERTS, use_fp8=True,
                              round_scale=True, use_ue8m0=True)
+    with pytest.raises(ValueError, match="same expert twice"):
+        solo_buffer.dispatch(x[:2], torch.tensor([[1, 1], [0, 2]]), W.MAX_TOKENS,
+                             W.LOCAL_EXPERTS, use_fp8=False)
     with pytest.raises(ValueError, match="exceed"):
         solo_buffer.dispatch(torch.randn(W.MAX_TOKENS + 1, 64),
                              torch.zeros(W.MAX_TOKENS + 1, 2, dtype=torch.int64),
@@ -426,6 +436,7 @@ def test_interface_covers_sglang_and_nixl_ep() -> None:
 MOE_NATIVE_CHECK = r"""
 import sys, torch
 from types import SimpleNamespace
+torch.set_num_threads(1)
 from sglang_elastic_ep import hooks
 for shim in hooks.IMPORT_SHIMS:
     shim.install()

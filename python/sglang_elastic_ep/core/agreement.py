@@ -280,19 +280,21 @@ class LockstepVerdict(str, enum.Enum):
     """What every rank does this pass, decided from the same reduced values on every rank."""
 
     NOTHING_PENDING = "nothing_pending"  # no rank sees a scale: run the normal per-pass step
-    ENTER = "enter"  # every rank sees the same target: enter the collective membership step
-    WAIT = "wait"  # ranks disagree (one saw the request later): keep serving, retry next pass
+    ENTER = "enter"  # every rank is ready for the same target: enter the membership step
+    WAIT = "wait"  # some rank is not ready (saw the request later, or sees no joiner yet)
 
 
-def lockstep_verdict(max_target: int, min_target: int) -> LockstepVerdict:
+def lockstep_verdict(max_ready: int, min_ready: int, max_target: int) -> LockstepVerdict:
     """Agreement for ranks that already run in lockstep (DP attention: every pass has a
-    collective). Each rank contributes the scale target it sees (0 for none); one all-reduce of
-    ``(target, -target)`` with MAX gives every rank the same (max, min), hence the same verdict:
-    no rank can enter a membership collective that another rank skips on this pass."""
-    if max_target < 0 or min_target < 0 or min_target > max_target:
-        raise ValueError(f"bad reduced targets: max={max_target} min={min_target}")
+    collective). Each rank contributes ``ready`` = the scale target it is ready to enter (it sees
+    the request, the joining cohort and the joiners' peer state; else 0) and the target it sees.
+    One all-reduce with MAX of ``(ready, -ready, target)`` gives every rank the same three
+    numbers, hence the same verdict: no rank enters a membership collective that another rank
+    skips on this pass, and every local check upstream makes afterwards already holds."""
+    if min(max_ready, min_ready, max_target) < 0 or min_ready > max_ready:
+        raise ValueError(f"bad reduced values: ready max={max_ready} min={min_ready}")
     if max_target == 0:
         return LockstepVerdict.NOTHING_PENDING
-    if min_target == max_target:
+    if min_ready == max_ready == max_target:
         return LockstepVerdict.ENTER
     return LockstepVerdict.WAIT

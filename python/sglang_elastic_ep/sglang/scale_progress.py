@@ -79,19 +79,39 @@ def _test_skew_passes() -> int:
     return int(passes) if dist.get_rank() == int(rank) else 0
 
 
+def _ready_target(state: Any, target: int) -> int:
+    """``target`` when this rank could admit the joiners now, else 0: it sees the request, the
+    joining cohort in the store, and every joiner's Mooncake peer state (the local checks
+    upstream makes inside ``maybe_join_ep_ranks``)."""
+    if not target:
+        return 0
+    from sglang.srt.elastic_ep.elastic_ep import get_scale_cohort
+
+    effective = state.effective_ep_size
+    cohort = get_scale_cohort(effective)
+    if cohort is None or cohort.target_ep_size != target:
+        # a mismatching cohort is upstream's to report: let every rank enter and fail it
+        return target if cohort is not None else 0
+    import torch.distributed as dist
+    from mooncake.pg import get_peer_state
+
+    joining = list(range(effective, target))
+    return target if all(get_peer_state(dist.group.WORLD, joining)) else 0
+
+
 def agreed_join_step(original: Any, runner: Any) -> None:
-    """AROUND ``ModelRunner.maybe_join_ep_ranks``: enter the collective membership step only on
-    a pass where every active rank sees the same pending scale (see
-    :func:`sglang_elastic_ep.core.agreement.lockstep_verdict`). Upstream entered as soon as the
-    local rank saw the request, so two ranks could issue different collectives and hang."""
+    """AROUND ``ModelRunner.maybe_join_ep_ranks``: enter the membership step only on a pass where
+    every active rank is ready for the same scale (see
+    :func:`sglang_elastic_ep.core.agreement.lockstep_verdict`). Upstream let each rank decide
+    from local checks (its copy of the request, the cohort key, Mooncake peer state), so under
+    load one rank admitted the joiner while another ran the next MoE dispatch, and both hung."""
     import torch
     import torch.distributed as dist
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
 
-    manager = _elastic_state()
-    state = manager.instance()
+    state = _elastic_state().instance()
     parallel = get_parallel()
     if state is None or not (parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size):
         return original(runner)
@@ -101,11 +121,10 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         _skew_seen[target] = seen + 1
         if seen < _test_skew_passes():
             target = 0
-    reduced = torch.tensor([target, -target], dtype=torch.int64)
+    ready = _ready_target(state, target)
+    reduced = torch.tensor([ready, -ready, target], dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-    verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]))
+    verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
     if verdict is LockstepVerdict.WAIT:
-        logger.info("[elastic-ep] ranks disagree on the pending scale (%s): retry next pass",
-                    reduced.tolist())
         return None
     return original(runner)

@@ -12,7 +12,8 @@ def simulate(seen_at: list[int], target: int, passes: int) -> list[list[Lockstep
     history = []
     for p in range(passes):
         local = [target if p >= s else 0 for s in seen_at]
-        verdict = lockstep_verdict(max(local), min(local))  # what the all-reduce gives everyone
+        # what the all-reduce gives everyone
+        verdict = lockstep_verdict(max(local), min(local), max(local))
         history.append([verdict] * len(seen_at))
     return history
 
@@ -27,8 +28,16 @@ def test_late_rank_delays_entry_but_all_enter_on_one_pass(skew: int) -> None:
 
 
 def test_nothing_pending_and_bad_values() -> None:
-    assert lockstep_verdict(0, 0) is LockstepVerdict.NOTHING_PENDING
+    assert lockstep_verdict(0, 0, 0) is LockstepVerdict.NOTHING_PENDING
     with pytest.raises(ValueError):
-        lockstep_verdict(2, 3)
+        lockstep_verdict(2, 3, 3)
     with pytest.raises(ValueError):
-        lockstep_verdict(-1, 0)
+        lockstep_verdict(-1, 0, 0)
+
+
+def test_pending_but_joiner_not_ready_everywhere_waits() -> None:
+    # every rank sees target 3, one rank does not see the joiner's peer state yet
+    assert lockstep_verdict(3, 0, 3) is LockstepVerdict.WAIT
+    # nobody ready yet
+    assert lockstep_verdict(0, 0, 3) is LockstepVerdict.WAIT
+    assert lockstep_verdict(3, 3, 3) is LockstepVerdict.ENTER

@@ -69,12 +69,13 @@ PROBE_EVERY_S = 0.05
 # may have published newer metadata than the one loaded).
 HANDSHAKE_REFRESH_S = 0.1
 MAX_INBOX_PER_AGENT = 64
-_TRACE = os.environ.get("NIXL_CPU_TRACE") == "1"
+_TRACE = os.environ.get("SGLANG_EEP_NIXL_CPU_TRACE") == "1"  # print every write and notification
 
 
 def _trace(fmt: str, *args: Any) -> None:
     if _TRACE:
         print(f"[trace {time.monotonic():.4f} pid {os.getpid()}] " + fmt % args, flush=True)
+
 
 topk_idx_t = torch.int64
 
@@ -85,7 +86,6 @@ _FP8_CODE = 4
 _NOTIF_DISPATCH = b"D"
 _NOTIF_COMBINE = b"C"
 _NOTIF_BARRIER = b"B"
-_NOTIF_HANDSHAKE = b"H"
 
 
 # --------------------------------------------------------------------------- events and hooks
@@ -190,12 +190,12 @@ class _Backoff:
 
     def __call__(self) -> None:
         self.n += 1
-        if self.n < 32:
+        if self.n < 8:
             return
-        if self.n < 128:
+        if self.n < 32:
             time.sleep(0)
         else:
-            time.sleep(min(1e-3, 2e-5 * (self.n - 127)))
+            time.sleep(min(1e-3, 2e-5 * (self.n - 31)))
 
 
 # --------------------------------------------------------------------------- the buffer
@@ -905,6 +905,10 @@ class Buffer:
         flat = topk_idx.reshape(-1).to(torch.int64)
         if flat.numel() and int(flat.max()) >= num_experts:
             raise ValueError(f"topk_idx has expert {int(flat.max())} >= num_experts {num_experts}")
+        if k > 1 and n_tok:
+            ordered = topk_idx.to(torch.int64).sort(dim=1).values
+            if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
+                raise ValueError("a token selects the same expert twice in topk_idx")
         live = self._live_peers(r_layout)
         allowed = torch.zeros(r_layout, dtype=torch.bool)
         for p in live:
@@ -1030,7 +1034,7 @@ class Buffer:
         for r in sorted(msgs):
             msg = msgs[r]
             n = int(msg.payload.shape[0])
-            if int(msg.counts.sum()) != n:
+            if int(msg.counts.sum()) != n or bool((msg.counts > t_max).any()):
                 self._mask(self._peers[r], f"rank {r} sent {n} rows for counts {msg.counts}")
                 continue
             e_of_row = torch.repeat_interleave(expert_ids, msg.counts)

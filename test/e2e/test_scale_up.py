@@ -1,0 +1,98 @@
+"""Runtime scale-up 2 -> 3 -> 4 on the CPU cluster under steady load (NIXL EP data plane).
+
+2 -> 3 with the joiner launched before the POST, 3 -> 4 with the joiner launched after it. The
+existing ranks keep serving throughout: no request fails, the fixed prompts decode to the same
+tokens before, during and after, the DP router sends requests to the new shards, and the events
+of both operations arrive over SSE in order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate
+
+SCALE_TIMEOUT_S = 420
+
+
+def wait_for_phase(url: str, operation_id: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = httpx.get(url + "/elastic_ep/status", timeout=30).json()
+        done = [op for op in status["recent_operations"] if op["operation_id"] == operation_id]
+        if done:
+            return status
+        time.sleep(1.0)
+    raise TimeoutError(f"operation {operation_id} not finished in {timeout_s} s: {status}")
+
+
+def shards_serving(url: str, n: int = 12) -> set[int | None]:
+    with httpx.Client() as client:
+        return {generate(client, url, DEFAULT_PROMPTS[i % 8], 2).dp_rank for i in range(n)}
+
+
+def sse_events(url: str) -> list[dict]:
+    resp = httpx.get(url + "/elastic_ep/events", params={"follow": "false"}, timeout=30)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    return [json.loads(line[5:]) for line in resp.text.splitlines() if line.startswith("data:")]
+
+
+@pytest.mark.timeout(1500)
+def test_scale_up_2_to_3_to_4_under_load(tiny_model: Path) -> None:
+    spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl")
+    with LocalCluster(spec) as cluster:
+        url = cluster.url
+        with httpx.Client() as client:
+            reference = {p: generate(client, url, p, 8).output_ids for p in DEFAULT_PROMPTS}
+        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+        try:
+            # 2 -> 3: joiner first, then the request.
+            cluster.start_joiner("scale", rank_offset=2)
+            resp = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            assert body["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
+            assert (body["old_ep_size"], body["new_ep_size"]) == (2, 3)
+            conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
+            assert conflict.status_code == 409, conflict.text
+            status = wait_for_phase(url, body["operation_id"], SCALE_TIMEOUT_S)
+            assert status["effective_ep_size"] == 3, status
+            assert status["recent_operations"][0]["result"] == "succeeded", status
+
+            # 3 -> 4: the request first, then the joiner.
+            resp = httpx.post(
+                url + "/scale_elastic_ep", json={"new_tp_size": 4, "operation_id": "grow-to-4"},
+                timeout=60,
+            )
+            assert resp.status_code == 200, resp.text
+            again = httpx.post(
+                url + "/scale_elastic_ep", json={"new_tp_size": 4, "operation_id": "grow-to-4"},
+                timeout=60,
+            )
+            assert again.status_code == 200 and again.json()["replayed"] is True
+            cluster.start_joiner("scale", rank_offset=3)
+            status = wait_for_phase(url, "grow-to-4", SCALE_TIMEOUT_S)
+            assert status["effective_ep_size"] == 4, status
+        finally:
+            results = load.stop()
+
+        failed = [r for r in results if not r.ok]
+        assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+        changed = [r for r in results if r.output_ids != reference[r.prompt]]
+        assert not changed, f"outputs changed during scaling: {changed[:3]}"
+        assert len(results) > 20
+        with httpx.Client() as client:
+            after = {p: generate(client, url, p, 8).output_ids for p in DEFAULT_PROMPTS}
+        assert after == reference
+        assert {2, 3} <= shards_serving(url), "the DP router must use the new shards"
+        types = [e["type"] for e in sse_events(url)]
+        for op_types in (types[: types.index("scale_committed") + 1],):
+            assert op_types[0] == "scale_requested" and "rank_joined" in op_types
+        assert types.count("scale_committed") == 2, types
