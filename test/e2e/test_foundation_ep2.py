@@ -68,7 +68,7 @@ def check_contract_on_fixed_size_server(url: str) -> None:
     assert after["effective_ep_size"] == 2 and after["recent_operations"] == []
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_two_rank_ep_server_matches_one_rank(tiny_model: Path) -> None:
     with LocalCluster(ClusterSpec(tiny_model, ep_size=1, elastic=False)) as one:
         reference, _ = greedy_outputs(one.url)
@@ -88,3 +88,13 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path) -> None:
     mismatched = {p: (reference[p], outputs[p]) for p in reference if reference[p] != outputs[p]}
     assert not mismatched, f"2-rank EP differs from 1 rank: {mismatched}"
     assert two_chat == reference_chat
+
+    # The NIXL EP data plane on CPU (--moe-a2a-backend nixl): tokens travel to the ranks owning
+    # their experts through the CPU buffer (real NIXL transfers) and back; same tokens again.
+    nixl_spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl")
+    with LocalCluster(nixl_spec) as nixl:
+        nixl_outputs, nixl_shards = greedy_outputs(nixl.url)
+    assert nixl_shards == {0, 1}
+    mismatched = {p: (reference[p], nixl_outputs[p]) for p in reference
+                  if reference[p] != nixl_outputs[p]}
+    assert not mismatched, f"2-rank NIXL EP differs from 1 rank: {mismatched}"

@@ -70,10 +70,13 @@ def phase_inputs(
     hidden, dtype, _, _ = VARIANTS[variant]
     salt = 97 * list(VARIANTS).index(variant)
     g = torch.Generator().manual_seed(SEED + 1000 * phase + rank + salt)
-    n = 17 + (5 * rank + 7 * phase) % (MAX_TOKENS - 16)
+    # Some ranks have no tokens at all in a phase (e.g. a joiner's first, empty batch).
+    n = 0 if (phase + rank) % 5 == 3 else 17 + (5 * rank + 7 * phase) % (MAX_TOKENS - 16)
     x = torch.randn(n, hidden, generator=g).to(dtype)
     num_experts = ep_size * LOCAL_EXPERTS
-    ids = torch.stack([torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(n)])
+    ids = torch.stack(
+        [torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(n)]
+    ) if n else torch.empty(0, TOPK, dtype=torch.int64)
     ids[::5, TOPK - 1] = -1  # skipped top-k entries
     weights = torch.rand(n, TOPK, generator=g) + 0.1
     return x, ids, weights

@@ -345,6 +345,18 @@ def test_single_rank_round_trip_and_mask_semantics(solo_buffer) -> None:
     assert handle.layout_range.shape == (W.LOCAL_EXPERTS, 1)
     assert (handle.layout_range & 0xFFFFFFFF).squeeze(1).tolist() == count.tolist()
 
+    # No tokens at all (an idle DP rank, a joiner's first batch), in every dtype path.
+    for use_fp8, hidden, dtype in ((False, 64, torch.float32), (True, 128, torch.bfloat16)):
+        empty = torch.empty(0, hidden, dtype=dtype)
+        no_ids = torch.empty(0, 2, dtype=torch.int64)
+        recv, count, handle, _, _ = buf.dispatch(empty, no_ids, W.MAX_TOKENS, W.LOCAL_EXPERTS,
+                                                 use_fp8=use_fp8)
+        assert count.tolist() == [0] * W.LOCAL_EXPERTS
+        q = recv[0].float() if use_fp8 else recv
+        out, _, _ = buf.combine(x=q, topk_idx=no_ids, topk_weights=torch.empty(0, 2),
+                                handle=handle)
+        assert out.shape == (0, hidden) and out.dtype == dtype
+
 
 def test_refusals_are_clear(solo_buffer) -> None:
     x, ids, _ = W.phase_inputs(0, 0, 1)  # hidden 64: no per-128 scales

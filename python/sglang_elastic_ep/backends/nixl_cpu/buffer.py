@@ -68,6 +68,7 @@ PROBE_EVERY_S = 0.05
 # Re-read a peer's store key this often while its handshake is missing (a replacement process
 # may have published newer metadata than the one loaded).
 HANDSHAKE_REFRESH_S = 0.1
+KEY_POLL_S = 0.005  # while a peer's key has not appeared yet
 MAX_INBOX_PER_AGENT = 64
 _TRACE = os.environ.get("SGLANG_EEP_NIXL_CPU_TRACE") == "1"  # print every write and notification
 
@@ -512,7 +513,8 @@ class Buffer:
             for r in sorted(waiting):
                 # (Re)read the peer's key: at first, and while its handshake is missing (a
                 # replacement process may have published newer metadata).
-                if r not in acked and now - last_read.get(r, -1e9) >= HANDSHAKE_REFRESH_S:
+                every = HANDSHAKE_REFRESH_S if r in loaded else KEY_POLL_S
+                if r not in acked and now - last_read.get(r, -1e9) >= every:
                     last_read[r] = now
                     key = self._store_key(r)
                     if store.check([key]):
@@ -926,14 +928,15 @@ class Buffer:
         counts = torch.bincount(experts, minlength=num_experts)
         bounds = [0] + torch.cumsum(counts.view(r_layout, local_e).sum(1), 0).tolist()
 
-        if use_fp8:
+        code = _FP8_CODE if use_fp8 else _DTYPE_CODES[x.dtype]
+        row_bytes = row_bytes_for(hidden, x.element_size(), use_fp8)
+        if n_tok == 0:  # (byte views of empty tensors can have odd strides)
+            rows = torch.empty(0, row_bytes, dtype=torch.uint8)
+        elif use_fp8:
             q, scales = fp8_mod.quantize(x, round_scale=round_scale)
             rows = torch.cat([q.view(torch.uint8), scales.view(torch.uint8)], dim=1)
-            code = _FP8_CODE
         else:
-            rows = x.contiguous().view(torch.uint8).reshape(n_tok, hidden * x.element_size())
-            code = _DTYPE_CODES[x.dtype]
-        row_bytes = row_bytes_for(hidden, x.element_size(), use_fp8)
+            rows = x.contiguous().view(torch.uint8).reshape(n_tok, row_bytes)
         payload = rows[tok]
 
         handle = DispatchHandle(t_max, hidden, r_layout, n_tok, x.dtype)
@@ -997,6 +1000,9 @@ class Buffer:
         recv_count: torch.Tensor,
     ) -> None:
         layout = self.layout
+        t_max, hidden = handle.num_max_dispatch_tokens_per_rank, handle.hidden
+        r_layout = handle.num_ranks_layout
+        rt = r_layout * t_max
         deadline = self._deadline()
         got = self._wait(_NOTIF_DISPATCH, live, deadline)
         msgs: dict[int, _Message] = {}
@@ -1013,12 +1019,13 @@ class Buffer:
                     f"rank {r} dispatched dtype code {r_code} rows of {r_row_bytes} B, this rank "
                     f"{code} / {row_bytes} B: every rank must dispatch the same dtype and hidden"
                 )
+            n = int(msg.payload.shape[0])
+            if int(msg.counts.sum()) != n or bool((msg.counts > t_max).any()):
+                self._mask(self._peers[r], f"rank {r} sent {n} rows for counts {msg.counts}")
+                continue
             msgs[r] = msg
 
         local_e = layout.num_experts_per_rank
-        t_max, hidden, r_layout = handle.num_max_dispatch_tokens_per_rank, handle.hidden, \
-            handle.num_ranks_layout
-        rt = r_layout * t_max
         counts = torch.zeros(r_layout, local_e, dtype=torch.int64)
         for r, msg in msgs.items():
             counts[r] = msg.counts
@@ -1034,8 +1041,8 @@ class Buffer:
         for r in sorted(msgs):
             msg = msgs[r]
             n = int(msg.payload.shape[0])
-            if int(msg.counts.sum()) != n or bool((msg.counts > t_max).any()):
-                self._mask(self._peers[r], f"rank {r} sent {n} rows for counts {msg.counts}")
+            if n == 0:
+                handle.recv_from[r] = torch.empty(0, dtype=torch.int64)
                 continue
             e_of_row = torch.repeat_interleave(expert_ids, msg.counts)
             first_of_e = torch.cumsum(msg.counts, 0) - msg.counts
@@ -1099,7 +1106,7 @@ class Buffer:
         local_rows: torch.Tensor | None = None
         sent: list[_Peer] = []
         for r, pos in handle.recv_from.items():
-            rows = x_flat[pos]
+            rows = x_flat[pos] if pos.numel() else x_flat.new_empty(0, hidden)
             if r == self.rank:
                 local_rows = rows
                 continue
@@ -1153,7 +1160,9 @@ class Buffer:
                     continue
                 dtype = _CODE_DTYPES[r_code]
                 n = msg.payload.shape[0]
-                reduce(r, msg.payload.contiguous().view(dtype).view(n, hidden))
+                rows = (msg.payload.contiguous().view(dtype).view(n, hidden) if n
+                        else torch.empty(0, hidden, dtype=dtype))
+                reduce(r, rows)
             result.copy_(acc)
             self._flush(sent, deadline)
 
