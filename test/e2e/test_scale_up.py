@@ -32,9 +32,15 @@ def wait_for_phase(url: str, operation_id: str, timeout_s: float) -> dict:
     raise TimeoutError(f"operation {operation_id} not finished in {timeout_s} s: {status}")
 
 
-def shards_serving(url: str, n: int = 12) -> set[int | None]:
-    with httpx.Client() as client:
-        return {generate(client, url, DEFAULT_PROMPTS[i % 8], 2).dp_rank for i in range(n)}
+def batches_run_by(log_path: Path, shard: int) -> int:
+    """Prefill batches the joiner's scheduler for DP shard ``shard`` ran (its own log): proof
+    that the primary's DP router sent it requests. (The HTTP response's dp_rank is not filled in
+    for requests served by a joiner's shard.)"""
+    return sum(
+        1
+        for line in log_path.read_text(errors="replace").splitlines()
+        if f" DP{shard}] Prefill batch" in line
+    )
 
 
 def sse_events(url: str) -> list[dict]:
@@ -91,7 +97,12 @@ def test_scale_up_2_to_3_to_4_under_load(tiny_model: Path) -> None:
         with httpx.Client() as client:
             after = {p: generate(client, url, p, 8).output_ids for p in DEFAULT_PROMPTS}
         assert after == reference
-        assert {2, 3} <= shards_serving(url), "the DP router must use the new shards"
+        with httpx.Client() as client:
+            for i in range(12):  # round-robin over 4 shards: 3 each
+                assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
+        joiner_logs = [j.log_path for j in cluster.joiners]
+        assert batches_run_by(joiner_logs[0], 2) > 0, "the DP router must use new shard 2"
+        assert batches_run_by(joiner_logs[1], 3) > 0, "the DP router must use new shard 3"
         types = [e["type"] for e in sse_events(url)]
         for op_types in (types[: types.index("scale_committed") + 1],):
             assert op_types[0] == "scale_requested" and "rank_joined" in op_types

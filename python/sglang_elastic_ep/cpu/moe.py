@@ -91,27 +91,3 @@ def moe_forward_native(
         out.index_add_(0, token_idx, expert_out.float() * flat_weights[slots].unsqueeze(1))
     return out.to(x.dtype)
 
-
-def packed_experts_forward(
-    layer: torch.nn.Module, hidden: torch.Tensor, masked_m: torch.Tensor, moe_runner_config: Any
-) -> torch.Tensor:
-    """The low-latency (DeepEP/NIXL) layout: ``hidden[e, :masked_m[e]]`` are the rows sent to
-    local expert ``e``. Returns each row's expert output in the same layout; the combine step
-    applies the routing weights at the source rank."""
-    out = torch.zeros_like(hidden)
-    act = _activation(moe_runner_config)
-    w13_bias = getattr(layer, "w13_weight_bias", None)
-    w2_bias = getattr(layer, "w2_weight_bias", None)
-    for expert, rows in enumerate(masked_m.tolist()):
-        if rows <= 0:
-            continue
-        out[expert, :rows] = expert_mlp(
-            hidden[expert, :rows],
-            layer.w13_weight[expert],
-            layer.w2_weight[expert],
-            act,
-            moe_runner_config,
-            w13_bias[expert] if w13_bias is not None else None,
-            w2_bias[expert] if w2_bias is not None else None,
-        ).to(out.dtype)
-    return out

@@ -41,24 +41,23 @@ def dispatcher_impl_init(original: Callable, impl: Any, *args: Any, **kwargs: An
 
 
 def run_moe_core(original: Callable, layer: Any, dispatch_output: Any) -> Any:
-    """AROUND ``FusedMoE.run_moe_core``: experts compute on the packed per-expert rows the
-    buffer delivered (same math as the native MoE); other formats go to upstream."""
+    """AROUND ``DeepEPMoE.run_moe_core``: experts compute on the packed per-expert rows the
+    buffer delivered (same math as the native MoE, fp8 rows dequantized with their scales);
+    other formats go to upstream."""
     if not dispatch_output.format.is_deepep_ll():
         return original(layer, dispatch_output)
     from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput
 
-    from sglang_elastic_ep.cpu.moe import packed_experts_forward
+    from sglang_elastic_ep.backends.nixl_cpu.moe_runner import run_deepep_ll
 
-    if dispatch_output.hidden_states_scale is not None:
-        raise NotImplementedError(
-            "fp8 NIXL dispatch is not supported on the CPU engine: set "
-            "SGLANG_NIXL_EP_BF16_DISPATCH=1"
-        )
-    hidden = packed_experts_forward(
-        layer, dispatch_output.hidden_states, dispatch_output.masked_m, layer.moe_runner_config
+    out = run_deepep_ll(
+        dispatch_output,
+        layer.w13_weight,
+        layer.w2_weight,
+        activation=layer.moe_runner_config.activation,
+        w13_bias=getattr(layer, "w13_weight_bias", None),
+        w2_bias=getattr(layer, "w2_weight_bias", None),
     )
     return DeepEPLLCombineInput(
-        hidden_states=hidden,
-        topk_ids=dispatch_output.topk_ids,
-        topk_weights=dispatch_output.topk_weights,
+        hidden_states=out.hidden_states, topk_ids=out.topk_ids, topk_weights=out.topk_weights
     )

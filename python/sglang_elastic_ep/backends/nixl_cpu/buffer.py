@@ -21,8 +21,9 @@ same library calls a GPU-less NIXL deployment would make. See ``docs/cpu-data-pl
   not answer within ``timeout_ms`` is MASKED: the call returns without its tokens, the mask
   buffer shows it, and nothing is sent to or awaited from it until it is unmasked or
   reconnected.
-* No NIXL progress thread (it would spin a core): every wait loop polls the agent, and each
-  operation returns only once its own writes completed, so an idle rank owes nobody progress.
+* Every wait loop polls the agent, and each operation returns only once its own writes
+  completed. NIXL's progress thread stays on by default: a UCX-over-TCP write also needs the
+  target to progress, and a rank blocked outside the buffer would otherwise stall its peers.
 
 Single-threaded, like the scheduler thread that drives it.
 """
@@ -202,6 +203,16 @@ class _Backoff:
 # --------------------------------------------------------------------------- the buffer
 
 
+def _progress_thread_enabled() -> bool:
+    """UCX over TCP needs the *target* to progress for a WRITE to complete. A rank blocked
+    outside this buffer (a Mooncake collective, a joiner still finishing its start-up after
+    admission) then stalls every peer writing to it until the timeout masks it: seen on the CPU
+    cluster right after a scale-up under load. NIXL's progress thread keeps the worker moving in
+    the background (about 0.4 core per idle process); ``SGLANG_EEP_NIXL_CPU_PROGRESS_THREAD=0``
+    turns it off for single-purpose benchmarks."""
+    return os.environ.get("SGLANG_EEP_NIXL_CPU_PROGRESS_THREAD", "1") != "0"
+
+
 class Buffer:
     """CPU stand-in for ``nixl_ep.Buffer`` (low-latency mode only).
 
@@ -258,8 +269,8 @@ class Buffer:
         self.agent_name = agent_name or f"nixl-ep-cpu-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._agent: Any = nixl_agent(
             self.agent_name,
-            nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                              backends=["UCX"]),
+            nixl_agent_config(enable_prog_thread=_progress_thread_enabled(),
+                              enable_listen_thread=False, backends=["UCX"]),
         )
         self._mem: torch.Tensor | None = None
         self._reg: Any = None
