@@ -203,6 +203,14 @@ class _Backoff:
 # --------------------------------------------------------------------------- the buffer
 
 
+def _first_message_grace_s() -> float:
+    """Extra wait for a peer's *first* message of a kind after a handshake. A rank admitted by
+    scale-up commits during its start-up and enters its first forward only once its scheduler
+    runs (tens of seconds on a loaded CPU); it is alive (a dead process is caught at once by the
+    probe write), so masking it at the steady-state timeout would drop a healthy new rank."""
+    return float(os.environ.get("SGLANG_EEP_NIXL_CPU_FIRST_MESSAGE_GRACE_S", "300"))
+
+
 def _progress_thread_enabled() -> bool:
     """UCX over TCP needs the *target* to progress for a WRITE to complete. A rank blocked
     outside this buffer (a Mooncake collective, a joiner still finishing its start-up after
@@ -750,8 +758,15 @@ class Buffer:
                     del waiting[r]
             if not waiting:
                 break
-            if now >= deadline:
-                for peer in waiting.values():
+            late = {
+                r: peer for r, peer in waiting.items()
+                if now >= deadline + (_first_message_grace_s() if not peer.recv_seq.get(tag)
+                                      else 0.0)
+            }
+            if late:
+                for r in late:
+                    del waiting[r]
+                for peer in late.values():
                     logger.warning(
                         "rank %d: no %s from rank %d (agent %s): expected seq %d, pending "
                         "notifications %s, writes in flight %d",
@@ -762,7 +777,8 @@ class Buffer:
                     self._mask(
                         peer, f"timeout: no {tag.decode()} message within {self.timeout_ms} ms"
                     )
-                break
+                if not waiting:
+                    break
             backoff()
         return got
 
