@@ -103,7 +103,13 @@ def test_scale_up_2_to_3_to_4_under_load(tiny_model: Path) -> None:
         joiner_logs = [j.log_path for j in cluster.joiners]
         assert batches_run_by(joiner_logs[0], 2) > 0, "the DP router must use new shard 2"
         assert batches_run_by(joiner_logs[1], 3) > 0, "the DP router must use new shard 3"
-        types = [e["type"] for e in sse_events(url)]
-        for op_types in (types[: types.index("scale_committed") + 1],):
-            assert op_types[0] == "scale_requested" and "rank_joined" in op_types
-        assert types.count("scale_committed") == 2, types
+        events = sse_events(url)
+        ops = {}
+        for event in events:
+            if event.get("operation_id"):
+                ops.setdefault(event["operation_id"], []).append(event["type"])
+        sequences = [seq for seq in ops.values() if "scale_committed" in seq]
+        assert len(sequences) == 2, ops
+        for seq in sequences:
+            assert seq == ["scale_requested", "rank_joined", "scale_committed"], seq
+        assert ops["grow-to-4"] == ["scale_requested", "rank_joined", "scale_committed"]

@@ -59,12 +59,13 @@ class UpstreamEngine:
         result = await self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size))
         if not result.success:
             raise RuntimeError(result.message)
-        task = asyncio.get_running_loop().create_task(self._watch(op.operation_id))
+        task = asyncio.get_running_loop().create_task(self._watch(op))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
-    async def _watch(self, operation_id: str) -> None:
+    async def _watch(self, op: Operation) -> None:
         plane = self._plane_ref[0]
+        operation_id = op.operation_id
         last = None
         while True:
             state = self._tm.get_elastic_ep_state()
@@ -72,6 +73,8 @@ class UpstreamEngine:
             if phase is not None and phase != last and phase not in (Phase.IDLE,):
                 last = phase
                 if phase is Phase.SERVING_EXPANDED:
+                    joined = range(op.old_ep_size, op.new_ep_size)
+                    plane.report_rank_joined(joined, operation_id=operation_id)
                     plane.finish_operation(operation_id)
                     return
                 if phase is Phase.FAILED:
