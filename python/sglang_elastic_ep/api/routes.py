@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -113,8 +114,11 @@ def build_router(
 
     def error(status: int, message: str, *, details: Iterable[str] = (), op: str | None = None,
               headers: dict[str, str] | None = None) -> JSONResponse:
+        # Every answer names an operation id, refusals included (generated when the caller sent
+        # none), so orchestrator logs and server logs can be joined on it.
         body = ErrorResponse(
-            error=message, details=list(details), operation_id=op, instance_id=cp.instance_id
+            error=message, details=list(details), operation_id=op or uuid.uuid4().hex,
+            instance_id=cp.instance_id,
         )
         return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
@@ -158,7 +162,10 @@ def build_router(
             described = describe_validation_error(exc)
             return error(400, described.error, details=described.details, op=op)
         answer = await cp.request_scale(scale_request)
-        return JSONResponse(answer.response.model_dump(mode="json"), status_code=answer.status)
+        response = answer.response
+        if response.operation_id is None:
+            response = response.model_copy(update={"operation_id": uuid.uuid4().hex})
+        return JSONResponse(response.model_dump(mode="json"), status_code=answer.status)
 
     async def is_scaling_elastic_ep(request: Request) -> Response:
         """Upstream's shape (``is_scaling_elastic_ep``, sizes, ``scale_phase``) plus ours."""

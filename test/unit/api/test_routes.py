@@ -258,8 +258,21 @@ def test_target_equal_to_current_is_a_noop(
     assert response.status_code == 200
     assert response.json()["accepted"] is True
     assert "Already at 2" in response.json()["message"]
-    assert response.json()["operation_id"] is None
+    # every answer names an operation id (generated here), yet nothing was recorded
+    assert isinstance(response.json()["operation_id"], str) and response.json()["operation_id"]
     assert engine.ops == [] and plane.events.last_event_id == 0
+    assert plane.status().recent_operations == []
+
+
+def test_refusal_without_an_id_still_carries_a_generated_one(
+    client: TestClient, plane: InProcessControlPlane, engine: FakeEngine
+) -> None:
+    first = post(client, {"new_ep_size": 0})
+    second = post(client, {"new_ep_size": 0})
+    assert first.status_code == second.status_code == 400
+    ids = {first.json()["operation_id"], second.json()["operation_id"]}
+    assert len(ids) == 2 and all(isinstance(i, str) and i for i in ids)
+    assert engine.ops == [] and plane.status().recent_operations == []
 
 
 def test_idempotent_retry_gives_the_same_answer_and_no_new_operation(
