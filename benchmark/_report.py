@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-HEADER = "# Benchmarks\n\nEach section is written by the script named in it, with the exact command.\n"
+HEADER = (
+    "# Benchmarks\n\nEach section is written by the script named in it, with the exact command.\n"
+)
 
 
 def command_line() -> str:

@@ -83,7 +83,8 @@ def main() -> None:
         f"{args.idle_seconds:.0f} s idle, in cores. Latency = one-token `/generate` (median of 4 "
         "after 2 s idle, or 8 back to back).",
         "",
-        "| setting | idle CPU (cores) | first request after idle (ms) | back-to-back request (ms) |",
+        "| setting | idle CPU (cores) | first request after idle (ms) "
+        "| back-to-back request (ms) |",
         "|---|---:|---:|---:|",
     ]
     for label, r in rows.items():
