@@ -26,10 +26,7 @@ def progress_membership_when_idle(result: Any, scheduler: Any, *args: Any, **kwa
     """AFTER ``Scheduler.on_idle``: run the per-forward elastic step while a scale is pending."""
     from sglang.srt.runtime_context import get_parallel
 
-    parallel = get_parallel()
-    if _elastic_state().instance() is None or not (
-        parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size
-    ):
+    if not _lockstep_agreement_on(_elastic_state().instance(), get_parallel()):
         return
     # Called on every idle pass (not only when this rank sees a scale): the agreement inside
     # maybe_join_ep_ranks is a collective that every rank must enter on the same pass.
@@ -63,6 +60,17 @@ def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
 
 
 _skew_seen: dict[int, int] = {}
+
+
+def _lockstep_agreement_on(state: Any, parallel: Any) -> bool:
+    """The per-pass agreement runs where it costs nothing on the hot path: an elastic deployment
+    with room to grow whose membership state lives on the CPU (the CPU engine; one tiny host
+    all-reduce per pass). On GPUs the same all-reduce would add a device collective and a host
+    sync to every forward, so there upstream's behaviour is kept until the store-based agreement
+    (``core.agreement.RankAgreement``, no collective) is wired in."""
+    if state is None or state.active_ranks is None or state.active_ranks.device.type != "cpu":
+        return False
+    return bool(parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size)
 
 
 def _test_skew_passes() -> int:
@@ -112,8 +120,7 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
 
     state = _elastic_state().instance()
-    parallel = get_parallel()
-    if state is None or not (parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size):
+    if not _lockstep_agreement_on(state, get_parallel()):
         return original(runner)
     target = state.pending_ep_size or 0
     if target:
