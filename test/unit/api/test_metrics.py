@@ -119,8 +119,10 @@ def test_importing_the_adapters_does_not_import_prometheus_client() -> None:
         "import sglang_elastic_ep.api.metrics, sglang_elastic_ep.cli.main\n"
         "print(sorted(m for m in ('prometheus_client', 'sglang', 'torch') if m in sys.modules))"
     )
+    # Without the CPU engine: its interpreter-start bootstrap (a .pth line) imports torch.
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=REPO)
+                         check=True, cwd=REPO, env=env)
     assert out.stdout.strip() == "[]"
 
 
