@@ -107,7 +107,7 @@ HOOKS: tuple[Hook, ...] = (
          "upstream reduce_scatterv needs pynccl; on CPU all-reduce and keep this rank's slice"),
     Hook(f"{S}managers.scheduler.Scheduler.init_idle_sleeper", "cpu.idle:install_idle_sleeper",
          "AFTER", "cpu",
-         "idle DP ranks spin on token-count all-gathers; park them in a 5 ms socket poll"),
+         "optional short socket poll for idle DP ranks (SGLANG_EEP_IDLE_POLL_MS, off)"),
     Hook(f"{S}managers.data_parallel_controller.DataParallelController.event_loop",
          "cpu.idle:dp_controller_event_loop", "REPLACE", "cpu",
          "upstream's DP controller busy-polls its socket; block in zmq poll until a request"),

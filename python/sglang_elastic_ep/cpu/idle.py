@@ -5,9 +5,10 @@ counts with the other ranks: 2-rank clusters spun the machine's 2 cores at idle.
 ``--sleep-on-idle`` parks a rank in ``zmq.Poller.poll(1000)``, which would delay the first
 request by up to a second: the rank that receives it enters the all-gather at once, the others
 only when their poll times out. Here an idle rank polls its request sockets with a short timeout
-(``SGLANG_EEP_IDLE_POLL_MS``, default 5 ms): the receiving rank wakes immediately and every other
-rank within one timeout, so the first request waits at most that long, while an idle rank spends
-nearly all its time blocked in ``poll``.
+(``SGLANG_EEP_IDLE_POLL_MS``): the receiving rank wakes immediately and every other rank within
+one timeout, so the first request waits at most that long. Measured on the 2-rank CPU cluster it
+did not lower idle CPU (docs/benchmarks.md, ``idle_cpu``): the cores go to Mooncake's TCP
+transport, which busy-polls while a rank waits in a collective. It is therefore off by default.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from typing import Any
 
 ENV_IDLE_POLL_MS = "SGLANG_EEP_IDLE_POLL_MS"
-DEFAULT_IDLE_POLL_MS = 5.0
+DEFAULT_IDLE_POLL_MS = 0.0  # off: measured no gain (docs/benchmarks.md, idle_cpu)
 
 
 def idle_poll_ms() -> float:
