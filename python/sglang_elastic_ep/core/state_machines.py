@@ -260,6 +260,17 @@ class RoleStateMachine:
             )
         return None
 
+    def _enter_when_agreed(self, obs: Observation, phase: Phase, action: Action) -> Action:
+        """Keep serving until every rank agrees, then enter ``phase`` and hand out ``action``;
+        an aborted agreement fails the operation."""
+        decision = self._poll_agreement(obs)
+        if decision is Decision.WAIT:
+            return KEEP_SERVING
+        if decision is Decision.ABORT:
+            return self._fail(self.agreement.abort_reason or "agreement aborted", obs.now)
+        self._advance(phase, obs.now)
+        return self._await(action, obs.now)
+
     def _poll_agreement(self, obs: Observation) -> Decision:
         """Poll the round; on WAIT, apply a pending cancel where it is safe."""
         assert self.agreement is not None
@@ -327,15 +338,10 @@ class ExistingRankScaleUp(RoleStateMachine):
                 self._advance(Phase.PENDING, obs.now)
             if not obs.peers_connected:
                 return KEEP_SERVING
-        decision = self._poll_agreement(obs)
-        if decision is Decision.WAIT:
-            return KEEP_SERVING
-        if decision is Decision.ABORT:
-            return self._fail(self.agreement.abort_reason or "agreement aborted", obs.now)
-        self._advance(Phase.JOINING, obs.now)
-        return self._await(
+        return self._enter_when_agreed(
+            obs,
+            Phase.JOINING,
             Action(ActionKind.ADMIT_RANKS, ranks=self.joining_ranks, new_size=self.new_size),
-            obs.now,
         )
 
     def _final_action(self, obs: Observation) -> Action:
@@ -493,15 +499,10 @@ class ScaleDown(RoleStateMachine):
                             reason=f"drain timed out after {self.drain_timeout_s:g}s",
                         )
                     return KEEP_SERVING
-        decision = self._poll_agreement(obs)
-        if decision is Decision.WAIT:
-            return KEEP_SERVING
-        if decision is Decision.ABORT:
-            return self._fail(self.agreement.abort_reason or "agreement aborted", obs.now)
-        self._advance(Phase.MOVING_EXPERTS, obs.now)
-        return self._await(
+        return self._enter_when_agreed(
+            obs,
+            Phase.MOVING_EXPERTS,
             Action(ActionKind.MOVE_EXPERTS, ranks=self.leaving_ranks, new_size=self.new_size),
-            obs.now,
         )
 
     def _final_action(self, obs: Observation) -> Action:
