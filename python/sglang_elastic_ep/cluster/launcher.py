@@ -135,8 +135,9 @@ class ServerProcess:
             text = self.log_path.read_text(errors="replace").splitlines()
         except FileNotFoundError:
             return ""
-        return "\n".join(line for line in text if "is ignored: it is neither" not in line)[-8000:] \
-            if lines <= 0 else "\n".join(text[-lines:])
+        # pip's noise about local index paths is not what a failing start needs to show
+        text = [line for line in text if "is ignored: it is neither" not in line]
+        return "\n".join(text[-lines:])
 
     def wait_ready(self, timeout_s: float, path: str = "/health_generate") -> None:
         deadline = time.monotonic() + timeout_s

@@ -34,9 +34,9 @@ def control_plane() -> InProcessControlPlane | None:
 def topology_from_args(server_args: Any) -> tuple[ScaleTopology, int]:
     """(topology, launch EP size): with DP attention one EP rank per TP rank."""
     ep_size = int(server_args.tp_size)
-    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-    replica = max(1, ep_size // dp_size) if getattr(server_args, "enable_dp_attention", False) \
-        else ep_size
+    # 0.5.23 keeps the attention-DP degree in attn_dp_size (--dp is a deprecated alias of it).
+    attn_dp = int(getattr(server_args, "attn_dp_size", None) or server_args.dp_size or 1)
+    replica = max(1, ep_size // attn_dp)
     max_ep = int(server_args.max_ep_size or ep_size)
     return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica), ep_size
 
