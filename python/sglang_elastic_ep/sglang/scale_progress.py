@@ -13,6 +13,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
+
 logger = logging.getLogger(__name__)
 
 
@@ -59,9 +64,6 @@ def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
     return False
 
 
-_skew_seen: dict[int, int] = {}
-
-
 def _lockstep_agreement_on(state: Any, parallel: Any) -> bool:
     """The per-pass agreement runs where it costs nothing on the hot path: an elastic deployment
     with room to grow whose membership state lives on the CPU (the CPU engine; one tiny host
@@ -71,20 +73,6 @@ def _lockstep_agreement_on(state: Any, parallel: Any) -> bool:
     if state is None or state.active_ranks is None or state.active_ranks.device.type != "cpu":
         return False
     return bool(parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size)
-
-
-def _test_skew_passes() -> int:
-    """Test hook: ``SGLANG_EEP_TEST_SKEW="rank:passes"`` makes this rank see a pending scale
-    that many passes late (how the skew e2e proves the agreement); unset in production."""
-    import os
-
-    raw = os.environ.get("SGLANG_EEP_TEST_SKEW")
-    if not raw:
-        return 0
-    import torch.distributed as dist
-
-    rank, _, passes = raw.partition(":")
-    return int(passes) if dist.get_rank() == int(rank) else 0
 
 
 def _ready_target(state: Any, target: int) -> int:
@@ -100,7 +88,6 @@ def _ready_target(state: Any, target: int) -> int:
     if cohort is None or cohort.target_ep_size != target:
         # a mismatching cohort is upstream's to report: let every rank enter and fail it
         return target if cohort is not None else 0
-    import torch.distributed as dist
     from mooncake.pg import get_peer_state
 
     joining = list(range(effective, target))
@@ -113,21 +100,12 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     :func:`sglang_elastic_ep.core.agreement.lockstep_verdict`). Upstream let each rank decide
     from local checks (its copy of the request, the cohort key, Mooncake peer state), so under
     load one rank admitted the joiner while another ran the next MoE dispatch, and both hung."""
-    import torch
-    import torch.distributed as dist
     from sglang.srt.runtime_context import get_parallel
-
-    from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
 
     state = _elastic_state().instance()
     if not _lockstep_agreement_on(state, get_parallel()):
         return original(runner)
     target = state.pending_ep_size or 0
-    if target:
-        seen = _skew_seen.setdefault(target, 0)
-        _skew_seen[target] = seen + 1
-        if seen < _test_skew_passes():
-            target = 0
     ready = _ready_target(state, target)
     reduced = torch.tensor([ready, -ready, target], dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
