@@ -1,5 +1,5 @@
-"""Idle CPU use of a 2-rank CPU cluster, and first-request latency, with and without the
-short-poll idle sleeper (``SGLANG_EEP_IDLE_POLL_MS``; 0 turns it off).
+"""Idle CPU use of a 2-rank CPU cluster, and first-request latency: upstream's idle loop
+against the short-poll idle sleeper that parks Mooncake's spinning worker (cpu/idle.py).
 
 Runs one cluster per setting, one after the other, and writes docs/benchmarks.md section
 ``idle_cpu``.
@@ -23,7 +23,7 @@ from _report import command_line, write_section  # noqa: E402
 from sglang_elastic_ep.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from sglang_elastic_ep.cluster.load import generate  # noqa: E402
 from sglang_elastic_ep.cluster.procs import process_tree  # noqa: E402
-from sglang_elastic_ep.cpu.idle import ENV_IDLE_POLL_MS  # noqa: E402
+from sglang_elastic_ep.cpu.idle import ENV_IDLE_POLL_MS, ENV_PARK_SPINNERS  # noqa: E402
 from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
 
 
@@ -38,9 +38,18 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def measure(poll_ms: str, idle_s: float, ranks: int) -> dict[str, float]:
+SETTINGS = (  # label, SGLANG_EEP_IDLE_POLL_MS, SGLANG_EEP_IDLE_PARK_SPINNERS, MoE a2a backend
+    ("before: upstream idle loop (poll 0, no parking), dense MoE", "0", "0", "none"),
+    ("poll 5 ms + park Mooncake worker (default), dense MoE", "5", "1", "none"),
+    ("poll 10 ms + park Mooncake worker, dense MoE", "10", "1", "none"),
+    ("poll 5 ms + park (default), `--moe-a2a-backend nixl`", "5", "1", "nixl"),
+)
+
+
+def measure(poll_ms: str, park: str, a2a: str, idle_s: float, ranks: int) -> dict[str, float]:
     os.environ[ENV_IDLE_POLL_MS] = poll_ms
-    spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=ranks)
+    os.environ[ENV_PARK_SPINNERS] = park
+    spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=ranks, moe_a2a_backend=a2a)
     with LocalCluster(spec) as cluster, httpx.Client() as client:
         assert cluster.primary is not None
         for _ in range(3):  # warm every shard
@@ -72,8 +81,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     rows = {}
-    for label, poll in (("idle poll off (default)", "0"), ("SGLANG_EEP_IDLE_POLL_MS=5", "5")):
-        rows[label] = measure(poll, args.idle_seconds, args.ranks)
+    for label, poll, park, a2a in SETTINGS:
+        rows[label] = measure(poll, park, a2a, args.idle_seconds, args.ranks)
         print(label, rows[label], flush=True)
     lines = [
         f"## Idle CPU of a {args.ranks}-rank CPU cluster (issue: CPU EP data plane, item 6)",
@@ -83,8 +92,12 @@ def main() -> None:
         f"{args.idle_seconds:.0f} s idle, in cores. Latency = one-token `/generate` (median of 4 "
         "after 2 s idle, or 8 back to back).",
         "",
-        "Both settings include the DP controller fix (it blocks in zmq poll). The rest of the "
-        "idle CPU is Mooncake's TCP transport busy-polling while ranks wait in collectives.",
+        "Every setting includes the DP controller fix (it blocks in zmq poll) and "
+        "`--enable-dp-attention-local-control-broadcast`. Mooncake PG's worker thread spins one "
+        "core per process (`while (running_) { PAUSE(); ... }`); parked while a rank is idle, "
+        "what is left is the one all-gather per pass (about 4 ms on Mooncake's TCP transport, "
+        "worker unparked) between polls. With NIXL, the progress thread of our CPU EP buffer "
+        "waits on UCX's event descriptors instead of spinning (`make_nixl_agent`).",
         "",
         "| setting | idle CPU (cores) | first request after idle (ms) "
         "| back-to-back request (ms) |",

@@ -9,7 +9,7 @@ STAMP="$VENV/.setup-stamp"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 # The stamp holds a hash of this script and the requirement files: change them and setup reruns.
-WANT="$(cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/requirements-cpu.txt" "$ROOT/scripts/stubs/"*.c "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/requirements-cpu.txt" "$ROOT/scripts/stubs/"*.c "$ROOT/scripts/native/"*.c "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "setup: .venv is up to date"
   exit 0
@@ -40,6 +40,10 @@ gcc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o "$STUBS/libcuda.so.1" "$ROOT/s
 gcc -shared -fPIC -O1 -Wl,-soname,libc10_cuda.so -o "$STUBS/libc10_cuda.so" "$ROOT/scripts/stubs/libc10_cuda.c"
 gcc -shared -fPIC -O1 -Wl,-soname,libtorch_cuda.so -o "$STUBS/libtorch_cuda.so" "$ROOT/scripts/stubs/empty.c"
 ln -sf libcuda.so.1 "$STUBS/libcuda.so"
+
+# Parks Mooncake PG's busy-spinning worker thread while a CPU rank is idle (cpu/idle.py).
+mkdir -p "$VENV/eep-native"
+gcc -shared -fPIC -O2 -Wall -o "$VENV/eep-native/libeep_thread_park.so" "$ROOT/scripts/native/thread_park.c"
 
 # CPU engine shims must exist before SGLang's spawned children import anything (see
 # python/sglang_elastic_ep/cpu/bootstrap.py); a .pth line runs it at interpreter start.

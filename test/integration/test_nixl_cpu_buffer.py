@@ -502,3 +502,24 @@ def test_fp8_round_trip_accuracy() -> None:
     assert torch.equal(torch.log2(s), torch.round(torch.log2(s)))  # powers of two
     back = fp8_mod.dequantize(q, s, torch.float32)
     assert (back - x.float()).abs().max() <= 0.07 * x.float().abs().max()
+
+
+def test_the_progress_thread_sleeps_instead_of_spinning() -> None:
+    """NIXL's Python API hard-codes a busy progress thread; ours waits on UCX's descriptors."""
+    code = (
+        "from sglang_elastic_ep.backends.nixl_cpu._env import configure_ucx_env\n"
+        "configure_ucx_env()\n"
+        "from sglang_elastic_ep.backends.nixl_cpu.buffer import make_nixl_agent\n"
+        "from sglang_elastic_ep.cpu.idle import find_spinning_native_threads\n"
+        "import os\n"
+        "before = set(os.listdir('/proc/self/task'))\n"
+        "agent = make_nixl_agent('spin-check', progress_thread=True)\n"
+        "new = set(os.listdir('/proc/self/task')) - before\n"
+        "assert new, 'no progress thread started'\n"
+        "spinning = set(map(str, find_spinning_native_threads(window_s=0.5, min_share=0.2)))\n"
+        "print('NEW', sorted(new), 'SPINNING', sorted(spinning & new))\n"
+        "assert not spinning & new\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -78,6 +78,9 @@ def base_server_args(spec: ClusterSpec, port: int) -> list[str]:
             "--dp", str(spec.ep_size),
             "--enable-dp-attention",
             "--load-balance-method", "round_robin",
+            # Control messages go to every DP leader instead of riding a broadcast over all
+            # ranks on every scheduler pass (idle CPU; joiners already work this way).
+            "--enable-dp-attention-local-control-broadcast",
         ]
     if spec.elastic:
         args += [

@@ -1,24 +1,47 @@
 """Cheap idle ranks on the CPU engine.
 
-With DP attention every idle scheduler still runs its loop, and each pass all-gathers token
-counts with the other ranks: 2-rank clusters spun the machine's 2 cores at idle. Upstream's
-``--sleep-on-idle`` parks a rank in ``zmq.Poller.poll(1000)``, which would delay the first
-request by up to a second: the rank that receives it enters the all-gather at once, the others
-only when their poll times out. Here an idle rank polls its request sockets with a short timeout
-(``SGLANG_EEP_IDLE_POLL_MS``): the receiving rank wakes immediately and every other rank within
-one timeout, so the first request waits at most that long. Measured on the 2-rank CPU cluster it
-did not lower idle CPU (docs/benchmarks.md, ``idle_cpu``): the cores go to Mooncake's TCP
-transport, which busy-polls while a rank waits in a collective. It is therefore off by default.
+Two things spin an idle CPU rank. (1) With DP attention every idle scheduler still runs its
+loop, and each pass all-gathers token counts with the other ranks. (2) Mooncake PG's worker
+thread polls its task table in an endless native loop (``mooncake_worker_thread.cpp``:
+``while (running_) { PAUSE(); ... }``), one core per process whether or not a collective is in
+flight; on 2 cores a 2-rank cluster therefore sat at 2 cores doing nothing.
+
+The idle sleeper here handles both. An idle rank polls its request sockets with a short
+timeout (``SGLANG_EEP_IDLE_POLL_MS``, default 5 ms) instead of upstream's 1 s
+(``--sleep-on-idle``): the receiving rank wakes at once and every other rank within one
+timeout, so the first request waits at most that long. While it polls it parks the process's
+busy-spinning native threads (found once by their CPU time, see
+``find_spinning_native_threads``) with ``scripts/native/thread_park.c``: a real-time signal
+whose handler sleeps on a futex until released. They stay parked for the whole of
+``Scheduler.on_idle`` (housekeeping, then the poll), which runs no collective; a park also
+ends by itself after ``MAX_PARK_MS``, so a collective started by mistake is delayed, never hung.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import signal
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 ENV_IDLE_POLL_MS = "SGLANG_EEP_IDLE_POLL_MS"
-DEFAULT_IDLE_POLL_MS = 0.0  # off: measured no gain (docs/benchmarks.md, idle_cpu)
+ENV_PARK_SPINNERS = "SGLANG_EEP_IDLE_PARK_SPINNERS"
+ENV_THREAD_PARK_LIB = "SGLANG_EEP_THREAD_PARK_LIB"
+DEFAULT_IDLE_POLL_MS = 5.0
+PARK_SIGNAL = signal.SIGRTMIN + 6  # glibc keeps the first two real-time signals for itself
+MAX_PARK_MS = 50
+SPIN_WINDOW_S = 0.02
+SPIN_SEARCH_INTERVAL_S = 30.0  # NIXL starts its progress thread with the first dispatch
+SPIN_MIN_SHARE = 0.1  # of one core over the window; an idle thread is at ~0
 
 
 def idle_poll_ms() -> float:
@@ -31,10 +54,87 @@ def idle_poll_ms() -> float:
     return value
 
 
-class ShortPollIdleSleeper:
-    """Parks an idle scheduler on its request sockets for at most ``timeout_ms``."""
+def park_spinners_enabled() -> bool:
+    raw = os.environ.get(ENV_PARK_SPINNERS, "1").strip().lower()
+    if raw not in {"0", "1", "false", "true", "no", "yes"}:
+        raise ValueError(f"{ENV_PARK_SPINNERS} must be 0 or 1, got {raw!r}")
+    return raw in {"1", "true", "yes"}
 
-    def __init__(self, sockets: list[Any], timeout_ms: float) -> None:
+
+def thread_park_library_path() -> Path:
+    """Built by scripts/setup.sh next to the venv's other native helpers."""
+    override = os.environ.get(ENV_THREAD_PARK_LIB)
+    return Path(override) if override else Path(sys.prefix) / "eep-native" / "libeep_thread_park.so"
+
+
+def thread_cpu_ns(tid: int) -> int | None:
+    """CPU time of one thread of this process in ns (``schedstat``: ns resolution, unlike
+    ``stat``'s 10 ms ticks), or None when the thread is gone."""
+    try:
+        return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def find_spinning_native_threads(
+    window_s: float = SPIN_WINDOW_S,
+    min_share: float = SPIN_MIN_SHARE,
+    wait: Callable[[float], None] = time.sleep,
+) -> list[int]:
+    """Threads of this process, not created by Python, that burn CPU while this thread waits.
+
+    Called only from the idle sleeper, so nothing of ours is in flight; Python threads
+    (watchdogs, our own helpers) are never candidates. ``wait`` may return early (a request
+    arrived): the share is taken over the time actually waited, and a wait too short to tell
+    finds nothing.
+    """
+    python_tids = {t.native_id for t in threading.enumerate()}
+    candidates = [
+        int(entry) for entry in os.listdir("/proc/self/task")
+        if int(entry) not in python_tids
+    ]
+    before = {tid: thread_cpu_ns(tid) for tid in candidates}
+    started = time.monotonic()
+    wait(window_s)
+    waited = time.monotonic() - started
+    if waited < window_s / 5:
+        return []
+    spinning = []
+    for tid, start in before.items():
+        end = thread_cpu_ns(tid)
+        if start is not None and end is not None and end - start >= min_share * waited * 1e9:
+            spinning.append(tid)
+    return spinning
+
+
+class ThreadParker:
+    """Parks chosen threads of this process until ``unpark``; see scripts/native/thread_park.c."""
+
+    def __init__(self, library: Path, max_park_ms: float = MAX_PARK_MS) -> None:
+        self.lib = ctypes.CDLL(str(library), use_errno=True)
+        self.lib.eep_park_install.argtypes = [ctypes.c_int, ctypes.c_long]
+        self.lib.eep_park.argtypes = [ctypes.c_int]
+        if self.lib.eep_park_install(int(PARK_SIGNAL), int(max_park_ms * 1000)) != 0:
+            raise OSError(ctypes.get_errno(), f"sigaction({int(PARK_SIGNAL)}) failed")
+        self.tids: list[int] = []
+
+    def park(self) -> None:
+        for tid in list(self.tids):
+            if self.lib.eep_park(tid) != 0:  # the thread has exited
+                self.tids.remove(tid)
+
+    def unpark(self) -> None:
+        self.lib.eep_unpark()
+
+    def parked_count(self) -> int:
+        return int(self.lib.eep_parked_count())
+
+
+class ShortPollIdleSleeper:
+    """Parks an idle scheduler on its request sockets for at most ``timeout_ms``; finds the
+    process's spinning native threads for ``parked_during_idle``."""
+
+    def __init__(self, sockets: list[Any], timeout_ms: float, parker: ThreadParker | None) -> None:
         import zmq
 
         self.poller = zmq.Poller()
@@ -42,12 +142,58 @@ class ShortPollIdleSleeper:
             if isinstance(sock, zmq.Socket):
                 self.poller.register(sock, zmq.POLLIN)
         self.timeout_ms = timeout_ms
+        self.parker = parker
+        self.next_search = 0.0
+
+    def wait_on_sockets(self, seconds: float) -> None:
+        if self.poller.sockets:
+            self.poller.poll(seconds * 1000)
+        else:
+            time.sleep(seconds)
 
     def maybe_sleep(self) -> None:
-        if self.poller.sockets:
-            self.poller.poll(self.timeout_ms)
-        else:  # no pollable socket on this rank: a plain short sleep bounds the delay the same
-            time.sleep(self.timeout_ms / 1000)
+        parker = self.parker
+        # Spinners appear over time (Mooncake's worker with the first collective, NIXL's
+        # progress thread with the first dispatch): look again now and then. Known ones are
+        # parked during the search, so only new ones show up; the search waits on the request
+        # sockets, so a request cuts it short.
+        if parker is not None and time.monotonic() >= self.next_search:
+            self.next_search = time.monotonic() + SPIN_SEARCH_INTERVAL_S
+            found = [t for t in find_spinning_native_threads(wait=self.wait_on_sockets)
+                     if t not in parker.tids]
+            if found:
+                parker.tids.extend(found)
+                parker.park()
+                logger.info("idle: parking native spinning threads %s while idle", parker.tids)
+            return
+        self.wait_on_sockets(self.timeout_ms / 1000)
+
+
+@contextmanager
+def parked_during_idle(scheduler: Any) -> Iterator[None]:
+    """Keeps the spinning native threads parked while ``Scheduler.on_idle`` runs (it runs no
+    collective); a no-op unless our sleeper found some."""
+    sleeper = getattr(scheduler, "idle_sleeper", None)
+    parker = sleeper.parker if isinstance(sleeper, ShortPollIdleSleeper) else None
+    if parker is None:
+        yield
+        return
+    parker.park()  # the sleeper may add threads and park them too
+    try:
+        yield
+    finally:
+        parker.unpark()
+
+
+def make_thread_parker() -> ThreadParker | None:
+    if not park_spinners_enabled():
+        return None
+    library = thread_park_library_path()
+    if not library.exists():
+        logger.warning("idle: %s missing (run scripts/setup.sh); spinning threads not parked",
+                       library)
+        return None
+    return ThreadParker(library)
 
 
 def install_idle_sleeper(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -60,7 +206,7 @@ def install_idle_sleeper(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         return
     channels = scheduler.ipc_channels
     sockets = [s for s in (channels.recv_from_tokenizer, channels.recv_from_rpc) if s is not None]
-    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout)
+    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout, make_thread_parker())
 
 
 def dp_controller_event_loop(controller: Any) -> None:

@@ -27,8 +27,19 @@ def _elastic_state() -> Any:
     return ElasticEPStateManager
 
 
+def idle_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.on_idle``: on the CPU engine, Mooncake's spinning worker stays parked
+    through the idle housekeeping and sleep (cpu/idle.py); then the per-forward elastic step."""
+    from sglang_elastic_ep.cpu.idle import parked_during_idle
+
+    with parked_during_idle(scheduler):
+        result = original(scheduler, *args, **kwargs)
+    progress_membership_when_idle(result, scheduler)
+    return result
+
+
 def progress_membership_when_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``Scheduler.on_idle``: run the per-forward elastic step while a scale is pending."""
+    """After ``Scheduler.on_idle``: run the per-forward elastic step while a scale is pending."""
     from sglang.srt.runtime_context import get_parallel
 
     if not _lockstep_agreement_on(_elastic_state().instance(), get_parallel()):

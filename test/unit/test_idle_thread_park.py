@@ -1,0 +1,127 @@
+"""The idle parker on a real native thread: found by its CPU time, parked to ~0 CPU, released."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_elastic_ep.cpu.idle import (
+    ThreadParker,
+    find_spinning_native_threads,
+    thread_cpu_ns,
+    thread_park_library_path,
+)
+
+SPINNER_C = r"""
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static volatile int stop = 0;
+static volatile int spinner_tid = 0;
+static void *spin(void *arg) {
+    (void)arg;
+    spinner_tid = (int)syscall(SYS_gettid);
+    while (!stop) { __asm__ volatile("pause"); }
+    return 0;
+}
+static pthread_t thread;
+int spinner_start(void) {
+    if (pthread_create(&thread, 0, spin, 0) != 0) return -1;
+    while (!spinner_tid) usleep(100);
+    return spinner_tid;
+}
+void spinner_stop(void) { stop = 1; pthread_join(thread, 0); }
+"""
+
+
+@pytest.fixture()
+def spinner(tmp_path: Path):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc not found: cannot build the native spinner")
+    source = tmp_path / "spinner.c"
+    source.write_text(SPINNER_C)
+    lib_path = tmp_path / "libspinner.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-pthread", "-o", str(lib_path),
+                    str(source)], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    tid = lib.spinner_start()
+    assert tid > 0
+    yield tid
+    lib.spinner_stop()
+
+
+def cpu_ms_over(tid: int, seconds: float) -> float:
+    start = thread_cpu_ns(tid)
+    time.sleep(seconds)
+    end = thread_cpu_ns(tid)
+    assert start is not None and end is not None
+    return (end - start) / 1e6
+
+
+def test_parker_stops_and_releases_a_spinning_native_thread(spinner: int) -> None:
+    library = thread_park_library_path()
+    if not library.exists():
+        pytest.skip(f"{library} not built (scripts/setup.sh builds it)")
+    assert spinner in find_spinning_native_threads(window_s=0.1, min_share=0.05)
+    parker = ThreadParker(library, max_park_ms=5000)
+    parker.tids = [spinner]
+    parker.park()
+    try:
+        time.sleep(0.05)
+        assert parker.parked_count() == 1
+        assert cpu_ms_over(spinner, 0.2) < 5.0
+    finally:
+        parker.unpark()
+    assert cpu_ms_over(spinner, 0.2) > 30.0  # spinning again
+    assert parker.parked_count() == 0
+
+
+def test_a_park_ends_by_itself_after_the_bound(spinner: int) -> None:
+    """A collective started while parked must be delayed, never hung."""
+    library = thread_park_library_path()
+    if not library.exists():
+        pytest.skip(f"{library} not built (scripts/setup.sh builds it)")
+    parker = ThreadParker(library, max_park_ms=20)
+    parker.tids = [spinner]
+    parker.park()  # and never unparked
+    try:
+        time.sleep(0.1)
+        assert parker.parked_count() == 0
+        assert cpu_ms_over(spinner, 0.2) > 30.0
+    finally:
+        parker.unpark()
+
+
+def test_a_gone_thread_is_dropped_from_the_park_list() -> None:
+    library = thread_park_library_path()
+    if not library.exists():
+        pytest.skip(f"{library} not built (scripts/setup.sh builds it)")
+    parker = ThreadParker(library)
+    parker.tids = [2**22 + 12345]  # above pid_max's default: no such thread
+    parker.park()
+    parker.unpark()
+    assert parker.tids == []
+
+
+def test_idle_settings_reject_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep.cpu import idle
+
+    monkeypatch.setenv(idle.ENV_IDLE_POLL_MS, "-1")
+    with pytest.raises(ValueError, match="SGLANG_EEP_IDLE_POLL_MS"):
+        idle.idle_poll_ms()
+    monkeypatch.setenv(idle.ENV_PARK_SPINNERS, "maybe")
+    with pytest.raises(ValueError, match="SGLANG_EEP_IDLE_PARK_SPINNERS"):
+        idle.park_spinners_enabled()
+    monkeypatch.setenv(idle.ENV_PARK_SPINNERS, "0")
+    assert idle.make_thread_parker() is None
+
+
+def test_a_search_cut_short_by_a_request_finds_nothing(spinner: int) -> None:
+    """The search waits on the request sockets; a request that ends it early wins."""
+    assert find_spinning_native_threads(window_s=0.1, wait=lambda s: None) == []
+    assert spinner in find_spinning_native_threads(window_s=0.1, min_share=0.05)
