@@ -89,6 +89,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{S}entrypoints.http_server.set_global_state", "sglang.http_adapter:mount_on_server",
          "AFTER", "all",
          "mounts operation ids, status, SSE events, health on the app (elastic EP only)"),
+    Hook(f"{S}managers.tokenizer_manager.TokenizerManager.update_active_ranks",
+         "sglang.http_adapter:mirror_active_ranks", "AFTER", "all",
+         "per-shard liveness from the schedulers becomes rank_failed / rank_recovered events"),
     # --- CPU engine ------------------------------------------------------------------------
     Hook(f"{S}distributed.bootstrap._resolve_backend", "cpu.mooncake_cpu:resolve_backend",
          "AFTER", "cpu", "upstream picks the mooncake backend only on CUDA; CPU: mooncake-cpu"),

@@ -18,3 +18,11 @@ def test_without_attention_dp_the_whole_tp_group_is_one_replica() -> None:
     args = SimpleNamespace(tp_size=2, dp_size=1, attn_dp_size=1, max_ep_size=None)
     topology, ep_size = topology_from_args(args)
     assert ep_size == 2 and topology.max_ep_size == 2 and topology.attn_replica_size == 2
+
+
+def test_the_tokenizer_managers_replica_size_wins_over_server_args() -> None:
+    # the HTTP process's args read as one 2-rank replica; the tokenizer manager knows better
+    args = SimpleNamespace(tp_size=2, dp_size=1, attn_dp_size=None, max_ep_size=4)
+    assert topology_from_args(args)[0].attn_replica_size == 2
+    topology, ep_size = topology_from_args(args, replica_size=1)
+    assert ep_size == 2 and topology.attn_replica_size == 1

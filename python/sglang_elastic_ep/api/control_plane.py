@@ -304,6 +304,26 @@ class InProcessControlPlane:
         )
         self.refresh_metrics()
 
+    def observe_rank_liveness(self, down: Iterable[int], reason: str) -> None:
+        """The engine's latest liveness view (``down``: ranks it no longer talks to).
+
+        Ranks inside the effective size that went down become ``rank_failed`` plus
+        ``recovery_required``; failed ranks that are up again become ``rank_recovered``.
+        Ranks outside the effective size (not joined yet, or scaled away) are ignored.
+        """
+        down_set = frozenset(down)
+        with self._lock:
+            m = self._membership
+            newly_failed = sorted(
+                r for r in down_set if r < m.effective_size and r not in m.failed
+            )
+            back = sorted(r for r in m.failed if r not in down_set)
+        if newly_failed:
+            self.report_rank_failed(newly_failed, reason=reason)
+            self.report_recovery_required(newly_failed, reason=reason)
+        if back:
+            self.report_rank_recovered(back)
+
     def report_recovery_required(
         self,
         ranks: Iterable[int],

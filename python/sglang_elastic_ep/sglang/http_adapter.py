@@ -31,12 +31,21 @@ def control_plane() -> InProcessControlPlane | None:
     return _plane
 
 
-def topology_from_args(server_args: Any) -> tuple[ScaleTopology, int]:
-    """(topology, launch EP size): with DP attention one EP rank per TP rank."""
+def topology_from_args(
+    server_args: Any, replica_size: int | None = None
+) -> tuple[ScaleTopology, int]:
+    """(topology, launch EP size): with DP attention one EP rank per TP rank.
+
+    ``replica_size`` is the tokenizer manager's own ``attn_replica_size`` (attn TP x attn CP,
+    what upstream's scale validation uses) when known: the HTTP process's server args do not
+    always carry the resolved attention-DP degree (seen: 2-rank DP attention read as one
+    2-rank replica, refusing 2 -> 3)."""
     ep_size = int(server_args.tp_size)
-    # 0.5.23 keeps the attention-DP degree in attn_dp_size (--dp is a deprecated alias of it).
-    attn_dp = int(getattr(server_args, "attn_dp_size", None) or server_args.dp_size or 1)
-    replica = max(1, ep_size // attn_dp)
+    if replica_size is None:
+        # 0.5.23 keeps the attention-DP degree in attn_dp_size (--dp is a deprecated alias).
+        attn_dp = int(getattr(server_args, "attn_dp_size", None) or server_args.dp_size or 1)
+        replica_size = max(1, ep_size // attn_dp)
+    replica = int(replica_size)
     max_ep = int(server_args.max_ep_size or ep_size)
     return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica), ep_size
 
@@ -87,6 +96,26 @@ class UpstreamEngine:
             await asyncio.sleep(WATCH_INTERVAL_S)
 
 
+def mirror_active_ranks(result: Any, tokenizer_manager: Any, ranks: Any) -> None:
+    """AFTER ``TokenizerManager.update_active_ranks``: schedulers report which DP shards are
+    alive after their batches (upstream forwards it to the DP router); the control plane turns
+    a shard that went down into ``rank_failed``/``recovery_required`` and its return into
+    ``rank_recovered``."""
+    plane = _plane
+    if plane is None:
+        return
+    replica = int(getattr(tokenizer_manager, "attn_replica_size", 1) or 1)
+    down = [
+        shard * replica + i
+        for shard, up in enumerate(ranks.status)
+        if not up
+        for i in range(replica)
+    ]
+    plane.observe_rank_liveness(
+        down, reason="the rank stopped answering its peers (Mooncake/NIXL fault detection)"
+    )
+
+
 def mount_on_server(result: Any, global_state: Any) -> None:
     """AFTER ``http_server.set_global_state``: build the control plane and mount the routes."""
     global _plane
@@ -98,7 +127,7 @@ def mount_on_server(result: Any, global_state: Any) -> None:
 
     from sglang_elastic_ep.api.routes import mount_elastic_ep
 
-    topology, ep_size = topology_from_args(server_args)
+    topology, ep_size = topology_from_args(server_args, getattr(tm, "attn_replica_size", None))
     ref: list[InProcessControlPlane] = []
     plane = InProcessControlPlane(
         topology=topology, initial_ep_size=ep_size, engine=UpstreamEngine(tm, ref)

@@ -760,3 +760,20 @@ def test_concurrent_requests_start_exactly_one_operation() -> None:
     assert sorted(codes) == [200] + [409] * 7
     assert len(engine.ops) == 1
     assert plane.events.last_event_id == 1
+
+
+def test_liveness_reports_become_failed_and_recovered_events_once() -> None:
+    plane = make_plane(engine=FakeEngine(), initial=4)
+    client = TestClient(make_app(plane))
+    plane.observe_rank_liveness([2, 5], reason="peer gone")  # 5 is outside the effective size
+    plane.observe_rank_liveness([2], reason="peer gone")  # no news: no second event
+    status = client.get("/elastic_ep/status").json()
+    assert [r["state"] for r in status["ranks"][:4]] == ["active", "active", "failed", "active"]
+    assert status["phase"] == "serving_degraded"
+    plane.observe_rank_liveness([], reason="peer gone")
+    status = client.get("/elastic_ep/status").json()
+    assert status["ranks"][2]["state"] == "active" and status["phase"] == "serving_recovered"
+    types = [(e.type, e.ranks) for e in plane.events.since(0).events]
+    assert types == [
+        ("rank_failed", [2]), ("recovery_required", [2]), ("rank_recovered", [2]),
+    ], types
