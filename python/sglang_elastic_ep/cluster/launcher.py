@@ -20,6 +20,7 @@ import httpx
 import psutil
 
 from sglang_elastic_ep.cluster.procs import free_port, kill_tree, process_tree
+from sglang_elastic_ep.cpu.shared_host import ENV_SHARED_HOST_NODE
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
@@ -48,6 +49,10 @@ class ClusterSpec:
     model_path: Path
     ep_size: int = 2
     max_ep_size: int | None = None
+    # Server processes the launch-time ranks are split over (SGLang's --nnodes): with 2, rank
+    # ep_size/2.. lives in its own process tree, like a second machine, and can be killed and
+    # relaunched in recover mode without taking the primary down.
+    nodes: int = 1
     elastic: bool = True  # --elastic-ep-backend mooncake
     moe_a2a_backend: str = "none"
     max_total_tokens: int = 4096
@@ -196,8 +201,11 @@ class LocalCluster:
     """A primary server plus joiners; a context manager that tears everything down."""
 
     def __init__(self, spec: ClusterSpec) -> None:
+        if spec.nodes < 1 or spec.ep_size % spec.nodes:
+            raise ValueError(f"{spec.ep_size} ranks do not split over {spec.nodes} nodes")
         self.spec = spec
         self.primary: ServerProcess | None = None
+        self.followers: dict[int, ServerProcess] = {}  # node rank -> server (nodes > 1)
         self.joiners: list[ServerProcess] = []
         self.dist_port = 0
         # SGLang's global TCPStore (NIXL metadata, scale cohorts) listens on a fixed default
@@ -213,15 +221,50 @@ class LocalCluster:
         port = free_port()
         self.dist_port = free_port()
         args = base_server_args(self.spec, port)
-        if self.spec.elastic:
+        if self.spec.elastic or self.spec.nodes > 1:
             args += ["--dist-init-addr", f"127.0.0.1:{self.dist_port}"]
+        if self.spec.nodes > 1:
+            args += ["--nnodes", str(self.spec.nodes), "--node-rank", "0"]
+        ranks_per_node = self.spec.ep_size // self.spec.nodes
         self.primary = ServerProcess(
-            f"primary-ep{self.spec.ep_size}", args, port, self.spec.log_dir, self.spec.ep_size,
+            f"primary-ep{self.spec.ep_size}", args, port, self.spec.log_dir, ranks_per_node,
             self.env,
         )
+        for node in range(1, self.spec.nodes):
+            self.start_node(node)
         if wait:
             self.primary.wait_ready(self.spec.ready_timeout_s)
         return self
+
+    def start_node(self, node: int, recover: bool = False) -> ServerProcess:
+        """Launch node ``node`` of a multi-node primary (no HTTP server of its own); with
+        ``recover`` it replaces a dead one (``--ep-join-mode recover``)."""
+        if not 1 <= node < self.spec.nodes:
+            raise ValueError(f"node must be in [1, {self.spec.nodes}), got {node}")
+        old = self.followers.get(node)
+        if old is not None and old.alive():
+            raise RuntimeError(f"node {node} is still running (pid {old.pid})")
+        port = free_port()
+        args = base_server_args(self.spec, port) + [
+            "--dist-init-addr", f"127.0.0.1:{self.dist_port}",
+            "--nnodes", str(self.spec.nodes), "--node-rank", str(node),
+        ]
+        if recover:
+            args += ["--ep-join-mode", "recover"]
+        name = f"node{node}-{'recover' if recover else 'launch'}"
+        server = ServerProcess(
+            name, args, port, self.spec.log_dir, self.spec.ep_size // self.spec.nodes,
+            {**self.env, ENV_SHARED_HOST_NODE: "1"},
+        )
+        self.followers[node] = server
+        return server
+
+    def kill_node(self, node: int) -> int:
+        """SIGKILL every process of node ``node`` (a machine dying); returns the leader pid."""
+        server = self.followers[node]
+        kill_tree(server.pid, hard=True)
+        server.popen.wait(timeout=10)
+        return server.pid
 
     def start_joiner(self, mode: str, rank_offset: int, size: int = 1) -> ServerProcess:
         """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size)."""
@@ -260,7 +303,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         errors = []
-        for server in [*self.joiners, self.primary]:
+        for server in [*self.joiners, *self.followers.values(), self.primary]:
             if server is None:
                 continue
             try:
@@ -268,6 +311,7 @@ class LocalCluster:
             except Exception as exc:  # keep tearing down the others
                 errors.append(exc)
         self.joiners.clear()
+        self.followers.clear()
         if errors:
             raise errors[0]
 

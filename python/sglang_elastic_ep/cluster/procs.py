@@ -38,13 +38,14 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def kill_tree(pid: int, grace_s: float = 10.0) -> None:
+def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:
     """SIGTERM ``pid``, its session and its descendants; SIGKILL whatever is left after grace.
+    ``hard``: SIGKILL at once (a machine dying).
 
     A crashed SGLang scheduler can leave the server ignoring SIGTERM, hence the fallback.
     """
     procs = process_tree(pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in (signal.SIGKILL,) if hard else (signal.SIGTERM, signal.SIGKILL):
         for proc in procs:
             try:
                 proc.send_signal(sig)
