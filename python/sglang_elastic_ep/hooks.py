@@ -91,7 +91,10 @@ HOOKS: tuple[Hook, ...] = (
          "mounts operation ids, status, SSE events, health on the app (elastic EP only)"),
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager.update_active_ranks",
          "sglang.http_adapter:mirror_active_ranks", "AFTER", "all",
-         "per-shard liveness from the schedulers becomes rank_failed / rank_recovered events"),
+         "shard liveness -> rank_failed/rank_recovered; a dead shard's requests end with 503"),
+    Hook(f"{S}managers.tokenizer_manager.TokenizerManager._dispatch_to_scheduler",
+         "sglang.http_adapter:route_to_live_shard", "BEFORE", "all",
+         "route round-robin in the tokenizer, which then knows the requests a dead shard held"),
     # --- CPU engine ------------------------------------------------------------------------
     Hook(f"{S}distributed.bootstrap._resolve_backend", "cpu.mooncake_cpu:resolve_backend",
          "AFTER", "cpu", "upstream picks the mooncake backend only on CUDA; CPU: mooncake-cpu"),

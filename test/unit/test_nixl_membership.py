@@ -565,4 +565,24 @@ def test_mirror_hooks_follow_events_and_device_faults_on_cpu(
     group.active_ranks[2] = 1
     group.active_ranks_cpu[2] = 0  # host copy still stale: upstream ANDs both
     assert hooks.maybe_recover_ep_ranks(**kw) is True
-    assert calls[-1] == [2] and done == ["eplb", "broadcast", "reset"]
+    # A recovery (rank 2 was active before) keeps EPLB's state: no reset, locations broadcast.
+    assert calls[-1] == [2] and done == ["broadcast", "reset"]
+    group.active_ranks[2] = 0
+    kw["eplb_manager"] = None  # without --enable-eplb upstream dereferenced None here
+    assert hooks.maybe_recover_ep_ranks(**kw) is True
+
+
+def test_a_recovered_rank_is_reconnected_at_the_next_dispatch() -> None:
+    """Recovery: the failed rank's id now names a new process; the dead agent goes first."""
+    m, buf, ft = make(rank=0, founders=2)
+    m.ensure_connected()
+    buf.drained([1])  # the dead process has nothing in flight
+    buf.activated([1])  # Mooncake recover_ranks returned for the replacement
+    m.replace([1, 0])  # the own rank is never replaced
+    assert buf.calls == [("connect", (0, 1))] and m.pending  # recorded only
+    m.ensure_connected()
+    assert buf.calls[-2:] == [("disconnect", (1,)), ("connect", (1,))]
+    assert m.connected_ep_size == 2 and not m.pending
+    assert ft.slept == [pytest.approx(m.reconnect_grace_s)]  # nixl_ep's grace (not on CPU)
+    with pytest.raises(ValueError, match="outside the EP size"):
+        m.replace([3])

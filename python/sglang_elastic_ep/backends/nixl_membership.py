@@ -277,6 +277,25 @@ class NixlMembership:
             self._activated.add(int(r))
             self._drained.discard(int(r))
 
+    def replace(self, ranks: Iterable[int]) -> None:
+        """Ranks inside the connected size now belong to new processes (recovery): the next
+        dispatch drops the dead peers' agents and handshakes with the replacements. Call after
+        Mooncake's ``recover_ranks`` returned for them (they are activated again)."""
+        ranks = sorted({int(r) for r in ranks} - {self._rank})
+        if not ranks:
+            return
+        outside = [r for r in ranks if r >= self._planned_size]
+        if outside:
+            raise ValueError(f"ranks {outside} are outside the EP size {self._planned_size}")
+        self.mark_activated(ranks)
+        if self._buffer is None:
+            return  # attach() connects everything up to the target anyway
+        self._steps.append(_Step("disconnect", ranks))
+        self._steps.append(_Step("connect", ranks))
+        self._target_seq += 1
+        logger.info("[elastic-ep][nixl] rank %s: replacing %s (applied on next dispatch)",
+                    self._rank, ranks)
+
     def mark_drained(self, ranks: Iterable[int]) -> None:
         """These ranks have no tokens in flight: they may be disconnected now."""
         for r in ranks:
@@ -438,12 +457,14 @@ class NixlMembership:
             self._on_applied(self)
 
     def _wait_reconnect_grace(self, ranks: Iterable[int]) -> None:
+        # A buffer that gives every process a fresh agent (the CPU buffer) needs no grace.
+        grace = getattr(self._buffer, "reconnect_grace_s", self.reconnect_grace_s)
         now = self._clock()
         wait = 0.0
         for r in ranks:
             t = self._disconnected_at.get(r)
             if t is not None:
-                wait = max(wait, self.reconnect_grace_s - (now - t))
+                wait = max(wait, grace - (now - t))
         if wait > 0:
             logger.info(
                 "[elastic-ep][nixl] rank %s: waiting %.1f s before reconnecting %s",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sglang_elastic_ep.core.api_models import RankState, RankStatus
@@ -46,3 +47,18 @@ class Membership:
 
     def failed_in_range(self) -> frozenset[int]:
         return frozenset(r for r in self.failed if r < self.effective_size)
+
+
+def is_recovery_join(rank_ids: Iterable[int], ever_active: Iterable[int]) -> bool:
+    """The RFC's contract ("Distinguishing scale from recovery"): a join is a recovery when
+    every joining rank was active before (replacements sync expert locations and keep EPLB's
+    state), a scale-up when none was (EPLB may place experts on the new ranks). A mix is
+    refused."""
+    joining = set(rank_ids)
+    before = joining & set(ever_active)
+    if before and before != joining:
+        raise ValueError(
+            f"ranks {sorted(before)} were active before and {sorted(joining - before)} were not:"
+            " recover and scale in separate operations"
+        )
+    return bool(joining) and before == joining

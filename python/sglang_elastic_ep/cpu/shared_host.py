@@ -1,7 +1,9 @@
 """Several SGLang "nodes" on one host (the CPU cluster's multi-node primary).
 
 Node ranks above 0 check that the node-0 ports derived from ``--dist-init-addr`` (port base,
-detokenizer, NCCL) are free before starting, although with DP attention they never bind them.
+detokenizer, NCCL) and their schedulers' input ports are free before starting, although with DP
+attention they bind none of them (node 0's DP controller binds every scheduler input port and
+the schedulers connect).
 On separate machines the check passes; on one host it passes only by racing node 0, and a node
 relaunched in recover mode always fails it (``port_base ... is used by a process already``).
 The cluster launcher marks such nodes with ``SGLANG_EEP_SHARED_HOST_NODE=1``; for them the
@@ -16,7 +18,7 @@ from typing import Any
 
 ENV_SHARED_HOST_NODE = "SGLANG_EEP_SHARED_HOST_NODE"
 NODE0_PORTS = frozenset({"port_base", "detokenizer_port", "nccl_port", "rpc_port",
-                         "metrics_port", "load_collector_port"})
+                         "metrics_port", "load_collector_port", "scheduler_input_port"})
 
 
 def wait_port_available(

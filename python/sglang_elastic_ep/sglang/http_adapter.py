@@ -16,6 +16,7 @@ from sglang_elastic_ep.api.control_plane import InProcessControlPlane
 from sglang_elastic_ep.core.api_models import OperationKind
 from sglang_elastic_ep.core.operations import Operation
 from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.core.routing import LiveShardRouter
 from sglang_elastic_ep.core.validation import ScaleTopology
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,11 @@ WATCH_INTERVAL_S = 0.2
 _UPSTREAM_PHASES = {p.value: p for p in Phase}
 
 _plane: InProcessControlPlane | None = None
+_router = LiveShardRouter()
+LOST_WITH_SHARD = (
+    "the DP shard running this request (EP ranks {ranks}) failed before it finished; nothing "
+    "was returned for it: retry the request"
+)
 
 
 def control_plane() -> InProcessControlPlane | None:
@@ -98,22 +104,51 @@ class UpstreamEngine:
 
 def mirror_active_ranks(result: Any, tokenizer_manager: Any, ranks: Any) -> None:
     """AFTER ``TokenizerManager.update_active_ranks``: schedulers report which DP shards are
-    alive after their batches (upstream forwards it to the DP router); the control plane turns
+    alive after their batches (upstream forwards it to the DP router). The control plane turns
     a shard that went down into ``rank_failed``/``recovery_required`` and its return into
-    ``rank_recovered``."""
+    ``rank_recovered``; requests the dead shard was running end with HTTP 503 and a message
+    saying so, instead of waiting forever."""
     plane = _plane
     if plane is None:
         return
     replica = int(getattr(tokenizer_manager, "attn_replica_size", 1) or 1)
-    down = [
-        shard * replica + i
-        for shard, up in enumerate(ranks.status)
-        if not up
-        for i in range(replica)
-    ]
+    down_shards = {shard for shard, up in enumerate(ranks.status) if not up}
+    down = [shard * replica + i for shard in sorted(down_shards) for i in range(replica)]
+    lost = _router.mark_down(down_shards, tokenizer_manager.rid_to_state)
     plane.observe_rank_liveness(
         down, reason="the rank stopped answering its peers (Mooncake/NIXL fault detection)"
     )
+    if any(lost.values()):
+        from sglang.srt.managers.io_struct import AbortReq
+
+        for shard, rids in lost.items():
+            ranks_text = f"{shard * replica}..{shard * replica + replica - 1}" if replica > 1 \
+                else str(shard)
+            message = LOST_WITH_SHARD.format(ranks=ranks_text)
+            for rid in rids:
+                tokenizer_manager._handle_abort_req(AbortReq(
+                    rid=rid, abort_message=message,
+                    finished_reason={"type": "abort", "message": message, "status_code": 503},
+                ))
+            logger.warning("elastic EP: shard %d failed; ended %d running requests with 503",
+                           shard, len(rids))
+
+
+def route_to_live_shard(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``TokenizerManager._dispatch_to_scheduler``: a generate request not pinned to a
+    shard goes round-robin to a live shard chosen here (upstream's DP controller would pick
+    the same way), so the tokenizer knows which requests a shard holds if it dies."""
+    if _plane is None or getattr(obj, "routed_dp_rank", 0) is not None:
+        return
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+
+    if not isinstance(obj, TokenizedGenerateReqInput):
+        return
+    shard = _router.pick(int(getattr(tokenizer_manager, "elastic_worker_count", 0) or 0))
+    if shard is None:
+        return  # no live shard known: upstream's router decides (and refuses)
+    obj.routed_dp_rank = shard
+    _router.track(shard, obj.rid, tokenizer_manager.rid_to_state)
 
 
 def mount_on_server(result: Any, global_state: Any) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 from sglang_elastic_ep.backends.active_ranks_mirror import ActiveRanksMirror
 from sglang_elastic_ep.backends.nixl_membership import BufferSizing, NixlMembership
+from sglang_elastic_ep.core.membership import is_recovery_join
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +311,13 @@ def maybe_recover_ep_ranks(
     ]
     if not ranks_to_recover or not ee.try_recover_ranks(ranks_to_recover):
         return False
-    eplb_manager.reset_generator()
+    # The mask covers the launch-time group: every rank it names was active at launch.
+    if not is_recovery_join(ranks_to_recover, ever_active=range(mirror.size)):
+        if eplb_manager is not None:
+            eplb_manager.reset_generator()
+    # A recovery keeps EPLB's state: the replacement takes the failed rank's slots, and the
+    # locations broadcast below put its experts back where they were.
+    _replace_nixl_peers(ranks_to_recover)
     ee.broadcast_global_expert_location_metadata(
         model_config=model_config,
         moe_ep_rank=moe_ep_rank,
@@ -320,6 +327,19 @@ def maybe_recover_ep_ranks(
     mirror.set_active(ranks_to_recover)
     logger.info("recover ranks %s done", ranks_to_recover)
     return True
+
+
+def _replace_nixl_peers(ranks: list[int]) -> None:
+    """The recovered ranks are new processes: the NIXL data plane (if in use) reconnects them
+    at the next dispatch, where the replacement connects to everyone."""
+    try:
+        from sglang.srt.layers.moe.token_dispatcher.nixl import NixlEPBuffer
+    except ImportError:
+        return
+    state = NixlEPBuffer._state()
+    membership = getattr(state, "membership", None)
+    if membership is not None:
+        membership.replace(ranks)
 
 
 # ------------------------------------------------------------------ hooks (gated entry points)

@@ -275,6 +275,9 @@ class Buffer:
     """
 
     num_sms: int = 20
+    # Every process incarnation has its own agent name, so a rank id can be reconnected at once
+    # (nixl_ep needs a few seconds between disconnect and reconnect of the same id).
+    reconnect_grace_s: float = 0.0
 
     def __init__(
         self,

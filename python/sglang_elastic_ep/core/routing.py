@@ -1,0 +1,46 @@
+"""Which DP shard gets the next request, and which requests a dead shard took with it.
+
+Upstream's DP controller routes round-robin in its own process, so when a shard's process dies
+nobody knows which requests it held: their clients wait forever. Routing in the tokenizer
+process instead (same round-robin, over the shards known to be alive) keeps that knowledge
+next to the request states, so the requests of a dead shard can be ended with a clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+PRUNE_AT = 4096  # tracked ids per shard before finished ones are dropped
+
+
+@dataclass
+class LiveShardRouter:
+    down: frozenset[int] = frozenset()
+    _next: int = 0
+    _by_shard: dict[int, list[str]] = field(default_factory=dict)
+
+    def pick(self, shard_count: int) -> int | None:
+        """Round-robin over shards ``[0, shard_count)`` not known to be down; None if none."""
+        live = [s for s in range(shard_count) if s not in self.down]
+        if not live:
+            return None
+        shard = live[self._next % len(live)]
+        self._next += 1
+        return shard
+
+    def track(self, shard: int, request_id: str, in_flight: Container[str]) -> None:
+        rids = self._by_shard.setdefault(shard, [])
+        rids.append(request_id)
+        if len(rids) > PRUNE_AT:
+            rids[:] = [r for r in rids if r in in_flight]
+
+    def mark_down(self, shards: set[int], in_flight: Container[str]) -> dict[int, list[str]]:
+        """Record the shards that are down now; returns the still-running requests of each
+        shard that just went down (those are lost with it)."""
+        newly_down = sorted(set(shards) - self.down)
+        self.down = frozenset(shards)
+        return {
+            shard: [r for r in self._by_shard.pop(shard, []) if r in in_flight]
+            for shard in newly_down
+        }

@@ -1,0 +1,45 @@
+"""Routing in the tokenizer: round-robin over live shards, and the requests a dead shard held."""
+
+from __future__ import annotations
+
+from sglang_elastic_ep.core.routing import PRUNE_AT, LiveShardRouter
+
+
+def test_round_robin_skips_down_shards_and_returns_when_none_is_live() -> None:
+    router = LiveShardRouter()
+    assert [router.pick(3) for _ in range(4)] == [0, 1, 2, 0]
+    router.mark_down({1}, in_flight=set())
+    assert {router.pick(3) for _ in range(6)} == {0, 2}
+    router.mark_down({0, 1, 2}, in_flight=set())
+    assert router.pick(3) is None
+    router.mark_down(set(), in_flight=set())
+    assert router.pick(1) == 0
+
+
+def test_a_dead_shard_hands_back_only_its_unfinished_requests_once() -> None:
+    router = LiveShardRouter()
+    for rid, shard in (("a", 0), ("b", 1), ("c", 1), ("d", 1)):
+        router.track(shard, rid, in_flight=set())
+    running = {"a", "b", "d"}  # c finished
+    assert router.mark_down({1}, running) == {1: ["b", "d"]}
+    assert router.mark_down({1}, running) == {}  # already known: nothing again
+    assert router.mark_down({0, 1}, running) == {0: ["a"]}
+
+
+def test_finished_requests_are_pruned_from_the_tracking() -> None:
+    router = LiveShardRouter()
+    for i in range(PRUNE_AT + 1):
+        router.track(0, f"r{i}", in_flight={f"r{PRUNE_AT}"})
+    assert router.mark_down({0}, in_flight={f"r{PRUNE_AT}"}) == {0: [f"r{PRUNE_AT}"]}
+
+
+def test_is_recovery_join_contract() -> None:
+    from sglang_elastic_ep.core.membership import is_recovery_join
+
+    assert is_recovery_join([1], ever_active=range(2))  # a replacement: recovery
+    assert not is_recovery_join([2, 3], ever_active=range(2))  # new slots: scale-up
+    assert not is_recovery_join([], ever_active=range(2))
+    import pytest
+
+    with pytest.raises(ValueError, match="separate operations"):
+        is_recovery_join([1, 2], ever_active=range(2))
