@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from typing import Any
 
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
@@ -151,6 +153,23 @@ def route_to_live_shard(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: 
     _router.track(shard, obj.rid, tokenizer_manager.rid_to_state)
 
 
+METRICS_REFRESH_S = 5.0
+
+
+def _start_metrics_refresher(plane: InProcessControlPlane) -> None:
+    """Gauges follow every change already; time spent degraded also grows between changes."""
+
+    def refresh() -> None:
+        while True:
+            time.sleep(METRICS_REFRESH_S)
+            try:
+                plane.refresh_metrics()
+            except Exception:  # a metrics hiccup must never stop the refresher
+                logger.debug("elastic EP: metrics refresh failed", exc_info=True)
+
+    threading.Thread(target=refresh, name="elastic-ep-metrics", daemon=True).start()
+
+
 def mount_on_server(result: Any, global_state: Any) -> None:
     """AFTER ``http_server.set_global_state``: build the control plane and mount the routes."""
     global _plane
@@ -163,11 +182,19 @@ def mount_on_server(result: Any, global_state: Any) -> None:
     from sglang_elastic_ep.api.routes import mount_elastic_ep
 
     topology, ep_size = topology_from_args(server_args, getattr(tm, "attn_replica_size", None))
+    metrics = None
+    if getattr(server_args, "enable_metrics", False):
+        from sglang_elastic_ep.api.metrics import ElasticEPMetrics
+
+        metrics = ElasticEPMetrics()
     ref: list[InProcessControlPlane] = []
     plane = InProcessControlPlane(
-        topology=topology, initial_ep_size=ep_size, engine=UpstreamEngine(tm, ref)
+        topology=topology, initial_ep_size=ep_size, engine=UpstreamEngine(tm, ref),
+        metrics=metrics,
     )
     ref.append(plane)
+    if metrics is not None:
+        _start_metrics_refresher(plane)
     mount_elastic_ep(
         http_server.app,
         plane,

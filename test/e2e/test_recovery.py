@@ -1,0 +1,151 @@
+"""Kill -9 a rank's node under load and recover it with ``--ep-join-mode recover`` (CPU cluster).
+
+The primary runs two "nodes" (one EP rank each, NIXL EP data plane); node 1 is a separate
+process tree, like a second machine. Under a steady client load node 1 is SIGKILLed: the
+survivor keeps serving, the requests node 1 was running end with HTTP 503 and a message (never
+a hang), the status shows rank 1 failed, and the events reach both SSE and a webhook receiver.
+A process relaunched with ``--ep-join-mode recover`` rejoins; the cluster is back at full size,
+serves on the recovered shard again, and every completed request decoded the reference tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate
+
+FAULT_SEEN_S = 90
+RECOVERED_S = 420
+
+
+class WebhookReceiver:
+    """A local HTTP endpoint that records the JSON bodies posted to it."""
+
+    def __init__(self) -> None:
+        received: list[dict] = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                received.append(json.loads(body))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/events"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def status(url: str) -> dict:
+    return httpx.get(url + "/elastic_ep/status", timeout=30).json()
+
+
+def wait_rank_state(url: str, rank: int, state: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = status(url)
+        if current["ranks"][rank]["state"] == state:
+            return current
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank} not {state} in {timeout_s} s: {current}")
+        time.sleep(1.0)
+
+
+def event_types(events: list[dict], ranks: list[int]) -> list[str]:
+    return [e["type"] for e in events if e.get("ranks") == ranks]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = [line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")]
+    assert values, f"{name} not on /metrics"
+    return float(values[0])
+
+
+@pytest.mark.timeout(1200)
+def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
+    hook = WebhookReceiver()
+    spec = ClusterSpec(
+        tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl", nodes=2,
+        extra_args=["--enable-metrics", "--elastic-ep-webhook-url", hook.url],
+    )
+    try:
+        with LocalCluster(spec) as cluster:
+            url = cluster.url
+            with httpx.Client() as client:
+                reference = {p: generate(client, url, p, 8).output_ids for p in DEFAULT_PROMPTS}
+            load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+            try:
+                time.sleep(3.0)
+                killed_at = time.monotonic()
+                cluster.kill_node(1)
+                degraded = wait_rank_state(url, 1, "failed", FAULT_SEEN_S)
+                assert degraded["phase"] == "serving_degraded", degraded
+                assert degraded["ranks"][0]["state"] == "active"
+                assert metric(url, "sglang:elastic_ep_failed_ranks") == 1.0
+                served_degraded = len(load.snapshot())
+                time.sleep(5.0)
+                assert len(load.snapshot()) > served_degraded, "the survivor must keep serving"
+
+                cli = subprocess.run(
+                    [sys.executable, "-m", "sglang_elastic_ep.cli.main", "status", "--url", url],
+                    capture_output=True, text=True, timeout=60,
+                )
+                assert cli.returncode == 0 and "serving_degraded" in cli.stdout, cli
+
+                cluster.start_node(1, recover=True)
+                recovered = wait_rank_state(url, 1, "active", RECOVERED_S)
+                assert recovered["phase"] == "serving_recovered", recovered
+                assert recovered["effective_ep_size"] == 2
+                time.sleep(5.0)  # a few requests on the recovered shard under load
+            finally:
+                results = load.stop()
+
+            lost = [r for r in results if not r.ok]
+            for r in lost:  # only what node 1 held when it died, and said so
+                assert r.status == 503 and "failed before it finished" in (r.error or ""), r
+                assert r.started < killed_at + FAULT_SEEN_S
+            assert len(lost) <= 2, f"more requests lost than were in flight: {lost}"
+            changed = [r for r in results if r.ok and r.output_ids != reference[r.prompt]]
+            assert not changed, f"outputs changed: {changed[:3]}"
+            assert len(results) > 20
+
+            with httpx.Client() as client:
+                after = {p: generate(client, url, p, 8) for p in DEFAULT_PROMPTS}
+            assert all(r.ok for r in after.values()), after
+            assert {p: r.output_ids for p, r in after.items()} == reference
+            recover_log = cluster.followers[1].log_path.read_text(errors="replace")
+            assert " DP1 TP1 EP1] Prefill batch" in recover_log, "shard 1 must serve again"
+            assert metric(url, "sglang:elastic_ep_failed_ranks") == 0.0
+            assert metric(url, "sglang:elastic_ep_degraded_seconds_total") > 0.0
+
+            sse = httpx.get(url + "/elastic_ep/events", params={"follow": "false"}, timeout=30)
+            assert sse.headers["content-type"].startswith("text/event-stream")
+            events = [
+                json.loads(line[5:]) for line in sse.text.splitlines() if line.startswith("data:")
+            ]
+            expected = ["rank_failed", "recovery_required", "rank_recovered"]
+            assert event_types(events, [1]) == expected, events
+            deadline = time.monotonic() + 30
+            while event_types(hook.received, [1]) != expected and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert event_types(hook.received, [1]) == expected, hook.received
+    finally:
+        hook.close()
