@@ -32,7 +32,8 @@ class WebhookReceiver:
     """A local HTTP endpoint that records the JSON bodies posted to it."""
 
     def __init__(self) -> None:
-        received: list[dict] = self.received = []
+        received: list[dict] = []
+        self.received = received
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
@@ -84,7 +85,10 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
     hook = WebhookReceiver()
     spec = ClusterSpec(
         tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl", nodes=2,
-        extra_args=["--enable-metrics", "--elastic-ep-webhook-url", hook.url],
+        # Every expert also on the other rank: the survivor serves all of them while its peer
+        # is down, so greedy outputs stay identical throughout.
+        extra_args=["--ep-num-redundant-experts", "16", "--enable-metrics",
+                    "--elastic-ep-webhook-url", hook.url],
     )
     try:
         with LocalCluster(spec) as cluster:
