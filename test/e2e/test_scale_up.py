@@ -1,14 +1,13 @@
-"""Runtime scale-up 2 -> 3 -> 4 on the CPU cluster under steady load (NIXL EP data plane).
+"""Runtime scale-up on the CPU cluster under steady load (NIXL EP data plane).
 
-2 -> 3 with the joiner launched before the POST, 3 -> 4 with the joiner launched after it. The
-existing ranks keep serving throughout: no request fails, the fixed prompts decode to the same
-tokens before, during and after, the DP router sends requests to the new shards, and the events
-of both operations arrive over SSE in order.
+2 -> 3 with the joiner launched before the POST (in CI): the existing ranks keep serving, no
+request fails, the fixed prompts decode to the same tokens before, during and after, the DP
+router sends requests to the new shard, and the operation's events arrive over SSE and at a
+webhook receiver in order. 2 -> 3 -> 4 adds a joiner launched after the POST (opt-in).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -17,16 +16,18 @@ import httpx
 import pytest
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate
+from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
+from sglang_elastic_ep.cluster.observe import WebhookReceiver, metric, sse_events
+from sglang_elastic_ep.sglang.scale_progress import ENV_TEST_SKEW
 
 SCALE_TIMEOUT_S = 420
 
-# Not yet reliable on the 2-core CI machine: in a clean-clone run the 3 -> 4 POST timed out
-# (the new shard's scheduler answered the control fan-out late), and an earlier run had 2 of 74
-# requests stall. Opt in with SGLANG_EEP_E2E_SCALE=1; the skip reason is printed, never a pass.
-pytestmark = pytest.mark.skipif(
+# 3 -> 4 under load is not yet reliable on the 2-core CI machine: the fourth process starts
+# while three ranks serve (seen: 3 min to load, then the finalize stalled past 420 s; earlier a
+# joiner's heartbeat timed out). Opt in with SGLANG_EEP_E2E_SCALE=1; the skip reason is printed.
+needs_opt_in = pytest.mark.skipif(
     os.environ.get("SGLANG_EEP_E2E_SCALE") != "1",
-    reason="scale-up under load is not yet reliable on a 2-core machine (issue 4); "
+    reason="scale-up to 4 ranks under load is not yet reliable on a 2-core machine (issue 4); "
     "run with SGLANG_EEP_E2E_SCALE=1",
 )
 
@@ -53,20 +54,80 @@ def batches_run_by(log_path: Path, shard: int) -> int:
     )
 
 
-def sse_events(url: str) -> list[dict]:
-    resp = httpx.get(url + "/elastic_ep/events", params={"follow": "false"}, timeout=30)
-    assert resp.status_code == 200
-    assert resp.headers["content-type"].startswith("text/event-stream")
-    return [json.loads(line[5:]) for line in resp.text.splitlines() if line.startswith("data:")]
+def operation_events(events: list[dict]) -> dict[str, list[str]]:
+    ops: dict[str, list[str]] = {}
+    for event in events:
+        if event.get("operation_id"):
+            ops.setdefault(event["operation_id"], []).append(event["type"])
+    return ops
 
 
+SCALE_EVENTS = ["scale_requested", "rank_joined", "scale_committed"]
+
+
+@pytest.mark.timeout(1200)
+def test_scale_up_2_to_3_under_load_with_a_late_rank(tiny_model: Path) -> None:
+    """Rank 1 sees the scale 3 passes late (injected skew): rank 0 keeps serving until it
+    catches up, then both admit the joiner on the same pass."""
+    with WebhookReceiver() as hook:
+        spec = ClusterSpec(
+            tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
+            extra_args=["--enable-metrics", "--elastic-ep-webhook-url", hook.url],
+        )
+        cluster = LocalCluster(spec)
+        cluster.env[ENV_TEST_SKEW] = "1:3"
+        with cluster:
+            url = cluster.url
+            reference = greedy_reference(url)
+            load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+            try:
+                joiner = cluster.start_joiner("scale", rank_offset=2)
+                resp = httpx.post(
+                    url + "/scale_elastic_ep",
+                    json={"new_ep_size": 3, "operation_id": "grow-to-3"}, timeout=60,
+                )
+                assert resp.status_code == 200, resp.text
+                body = resp.json()
+                assert body["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
+                assert (body["old_ep_size"], body["new_ep_size"]) == (2, 3)
+                conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4},
+                                      timeout=60)
+                assert conflict.status_code == 409, conflict.text
+                status = wait_for_phase(url, "grow-to-3", SCALE_TIMEOUT_S)
+                assert status["effective_ep_size"] == 3, status
+                assert status["recent_operations"][0]["result"] == "succeeded", status
+                assert status["phase"] == "serving_expanded", status
+                time.sleep(5.0)  # steady load on three shards
+            finally:
+                results = load.stop()
+
+            failed = [r for r in results if not r.ok]
+            assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+            changed = [r for r in results if r.output_ids != reference[r.prompt]]
+            assert not changed, f"outputs changed during scaling: {changed[:3]}"
+            assert len(results) > 20
+            assert greedy_reference(url) == reference
+            assert batches_run_by(joiner.log_path, 2) > 0, "the DP router must use new shard 2"
+            primary_log = cluster.primary.log_path.read_text(errors="replace")
+            assert "rank 1 holds back readiness for size 3 (pass 3 of 3)" in primary_log
+            assert metric(url, "sglang:elastic_ep_effective_size") == 3.0
+            assert metric(
+                url, 'sglang:elastic_ep_operations_total{kind="scale_up",result="succeeded"}'
+            ) == 1.0
+            assert operation_events(sse_events(url))["grow-to-3"] == SCALE_EVENTS
+            delivered = hook.wait_for(
+                lambda got: operation_events(got).get("grow-to-3") == SCALE_EVENTS
+            )
+            assert operation_events(delivered)["grow-to-3"] == SCALE_EVENTS, delivered
+
+
+@needs_opt_in
 @pytest.mark.timeout(1500)
 def test_scale_up_2_to_3_to_4_under_load(tiny_model: Path) -> None:
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl")
     with LocalCluster(spec) as cluster:
         url = cluster.url
-        with httpx.Client() as client:
-            reference = {p: generate(client, url, p, 8).output_ids for p in DEFAULT_PROMPTS}
+        reference = greedy_reference(url)
         load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
         try:
             # 2 -> 3: joiner first, then the request.
@@ -113,13 +174,9 @@ def test_scale_up_2_to_3_to_4_under_load(tiny_model: Path) -> None:
         joiner_logs = [j.log_path for j in cluster.joiners]
         assert batches_run_by(joiner_logs[0], 2) > 0, "the DP router must use new shard 2"
         assert batches_run_by(joiner_logs[1], 3) > 0, "the DP router must use new shard 3"
-        events = sse_events(url)
-        ops = {}
-        for event in events:
-            if event.get("operation_id"):
-                ops.setdefault(event["operation_id"], []).append(event["type"])
+        ops = operation_events(sse_events(url))
         sequences = [seq for seq in ops.values() if "scale_committed" in seq]
         assert len(sequences) == 2, ops
         for seq in sequences:
-            assert seq == ["scale_requested", "rank_joined", "scale_committed"], seq
-        assert ops["grow-to-4"] == ["scale_requested", "rank_joined", "scale_committed"]
+            assert seq == SCALE_EVENTS, seq
+        assert ops["grow-to-4"] == SCALE_EVENTS

@@ -307,9 +307,11 @@ class InProcessControlPlane:
     def observe_rank_liveness(self, down: Iterable[int], reason: str) -> None:
         """The engine's latest liveness view (``down``: ranks it no longer talks to).
 
-        Ranks inside the effective size that went down become ``rank_failed`` plus
-        ``recovery_required``; failed ranks that are up again become ``rank_recovered``.
-        Ranks outside the effective size (not joined yet, or scaled away) are ignored.
+        Ranks inside the effective size that went down become ``rank_failed``; the health
+        monitor counts the check (``GET /elastic_ep/health``) and hard-blocks a rank dead for
+        ``dead_rank_threshold`` checks, which emits ``recovery_required`` once. Failed ranks that
+        are up again become ``rank_recovered``. Ranks outside the effective size (not joined
+        yet, or scaled away) are ignored.
         """
         down_set = frozenset(down)
         with self._lock:
@@ -318,9 +320,16 @@ class InProcessControlPlane:
                 r for r in down_set if r < m.effective_size and r not in m.failed
             )
             back = sorted(r for r in m.failed if r not in down_set)
+            self._health_snapshot = None
+            decision = self._health.observe(
+                alive={r: r not in down_set for r in range(m.effective_size)},
+                expert_latency={},
+                expert_rank={},
+            )
         if newly_failed:
             self.report_rank_failed(newly_failed, reason=reason)
-            self.report_recovery_required(newly_failed, reason=reason)
+        if decision is not None:
+            self.report_recovery_required(decision.ranks, decision.reason)
         if back:
             self.report_rank_recovered(back)
 

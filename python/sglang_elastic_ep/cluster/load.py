@@ -61,6 +61,20 @@ def generate(
     )
 
 
+def greedy_reference(
+    url: str, prompts: tuple[str, ...] = DEFAULT_PROMPTS, max_new_tokens: int = 8
+) -> dict[str, list[int]]:
+    """Token ids of each prompt's greedy completion: what every later answer must equal."""
+    outputs = {}
+    with httpx.Client() as client:
+        for prompt in prompts:
+            result = generate(client, url, prompt, max_new_tokens)
+            if not result.ok:
+                raise RuntimeError(f"reference request failed: {result.status} {result.error}")
+            outputs[prompt] = result.output_ids
+    return outputs
+
+
 class LoadClient:
     """``concurrency`` threads each sending greedy requests back to back until stopped."""
 

@@ -11,6 +11,7 @@ there keeps the collective membership calls aligned across ranks.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -105,6 +106,45 @@ def _ready_target(state: Any, target: int) -> int:
     return target if all(get_peer_state(dist.group.WORLD, joining)) else 0
 
 
+ENV_TEST_SKEW = "SGLANG_EEP_TEST_SKEW_PASSES"
+
+
+class ReadinessSkew:
+    """Test-only fault injection (``SGLANG_EEP_TEST_SKEW_PASSES=<rank>:<passes>``): that rank
+    reports a scale as ready only ``passes`` passes after it could, as if it saw the change
+    late. The agreement must then hold the other ranks (serving) until it catches up."""
+
+    def __init__(self, spec: str | None, rank: int) -> None:
+        self.passes = 0
+        if spec:
+            target_rank, _, passes = spec.partition(":")
+            if int(target_rank) == rank:
+                self.passes = int(passes)
+        self.rank = rank
+        self._held: dict[int, int] = {}  # target -> passes held back so far
+
+    def apply(self, ready: int) -> int:
+        if not self.passes or not ready:
+            return ready
+        held = self._held.get(ready, 0)
+        if held < self.passes:
+            self._held[ready] = held + 1
+            logger.info("[elastic-ep] test skew: rank %d holds back readiness for size %d "
+                        "(pass %d of %d)", self.rank, ready, held + 1, self.passes)
+            return 0
+        return ready
+
+
+_skew: ReadinessSkew | None = None
+
+
+def _readiness_skew() -> ReadinessSkew:
+    global _skew
+    if _skew is None:
+        _skew = ReadinessSkew(os.environ.get(ENV_TEST_SKEW), dist.get_rank())
+    return _skew
+
+
 def agreed_join_step(original: Any, runner: Any) -> None:
     """AROUND ``ModelRunner.maybe_join_ep_ranks``: enter the membership step only on a pass where
     every active rank is ready for the same scale (see
@@ -117,7 +157,7 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     if not _lockstep_agreement_on(state, get_parallel()):
         return original(runner)
     target = state.pending_ep_size or 0
-    ready = _ready_target(state, target)
+    ready = _readiness_skew().apply(_ready_target(state, target))
     reduced = torch.tensor([ready, -ready, target], dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))

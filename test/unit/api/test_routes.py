@@ -767,6 +767,10 @@ def test_liveness_reports_become_failed_and_recovered_events_once() -> None:
     client = TestClient(make_app(plane))
     plane.observe_rank_liveness([2, 5], reason="peer gone")  # 5 is outside the effective size
     plane.observe_rank_liveness([2], reason="peer gone")  # no news: no second event
+    health = client.get("/elastic_ep/health").json()
+    rank2 = health["ranks"][2]
+    assert rank2["alive"] is False and rank2["hard_blocked"] is True, health
+    assert rank2["consecutive_unhealthy_checks"] == 2 and health["ranks"][0]["alive"] is True
     status = client.get("/elastic_ep/status").json()
     assert [r["state"] for r in status["ranks"][:4]] == ["active", "active", "failed", "active"]
     assert status["phase"] == "serving_degraded"
