@@ -1,59 +1,95 @@
-"""The README demo: a CPU cluster serving a short stream of requests, printing what it served."""
+"""The README demo: a 2-rank EP cluster on CPU serving a steady stream of requests scales to 3
+ranks at runtime. Prints the phase timeline of the operation and where requests were served.
+"""
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
 from sglang_elastic_ep.cluster.launcher import ClusterSpec, LocalCluster
-from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, LoadClient
+from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, LoadClient, RequestResult
+from sglang_elastic_ep.cluster.observe import sse_events, status
 from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model
 
 console = Console()
+OPERATION_ID = "demo-grow"
 
 
-def served_table(results: list, tokenizer_url: str, t0: float) -> Table:
-    table = Table(title="requests served")
-    for col in ("t (s)", "shard", "prompt", "status", "first tokens"):
+def prefill_batches(log: Path, shard: int) -> int:
+    """Batches a shard's scheduler ran (a joiner's responses carry no dp_rank)."""
+    return log.read_text(errors="replace").count(f" DP{shard}] Prefill batch")
+
+
+def wait_done(url: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        current = status(url)
+        done = [op for op in current["recent_operations"] if op["operation_id"] == OPERATION_ID]
+        if done:
+            return done[0]
+        time.sleep(1.0)
+    raise TimeoutError(f"scale-up not finished in {timeout_s} s")
+
+
+def timeline(url: str, t0_wall: float) -> Table:
+    table = Table(title=f"operation {OPERATION_ID}: events (SSE)")
+    for col in ("t (s)", "event", "ranks", "detail"):
         table.add_column(col)
-    for r in results:
-        table.add_row(
-            f"{r.finished - t0:6.1f}", str(r.dp_rank), r.prompt, "ok" if r.ok else f"{r.status}",
-            " ".join(map(str, r.output_ids[:6])),
-        )
+    for event in sse_events(url):
+        if event.get("operation_id") != OPERATION_ID:
+            continue
+        detail = ""
+        if event["type"] == "scale_committed":
+            sizes = f"{event['old_ep_size']} -> {event['new_ep_size']}"
+            detail = f"{sizes} in {event['duration_s']:.1f} s"
+        table.add_row(f"{event['time'] - t0_wall:6.1f}", event["type"],
+                      str(event.get("ranks", "")), detail)
     return table
 
 
+def summary(results: list[RequestResult], new_shard_batches: int) -> str:
+    ok = sum(r.ok for r in results)
+    return (f"[bold]{ok}/{len(results)} requests ok[/]; the new shard 2 ran "
+            f"{new_shard_batches} prefill batches")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=20.0, help="how long to send traffic")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="steady traffic before/after")
     args = parser.parse_args()
 
     model = write_tiny_model(DEFAULT_DIR)
-    spec = ClusterSpec(model, ep_size=args.ranks)
-    console.print(f"[bold]starting a {args.ranks}-rank EP cluster on CPU[/] (model {model})")
+    spec = ClusterSpec(model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl")
+    console.print(f"[bold]starting a 2-rank EP cluster on CPU[/] (max 4 ranks; model {model})")
     t_launch = time.monotonic()
     with LocalCluster(spec) as cluster:
-        console.print(f"ready in {time.monotonic() - t_launch:.0f} s at {cluster.url}; "
+        url = cluster.url
+        console.print(f"ready in {time.monotonic() - t_launch:.0f} s at {url}; "
                       f"logs in {spec.log_dir}")
-        info = httpx.get(cluster.url + "/server_info", timeout=30).json()
-        console.print(f"ep_size={info['ep_size']} elastic_ep_backend={info['elastic_ep_backend']}")
-        t0 = time.monotonic()
-        with LoadClient(cluster.url, DEFAULT_PROMPTS, concurrency=2) as load:
+        t0_wall = time.time()
+        with LoadClient(url, DEFAULT_PROMPTS, concurrency=2) as load:
+            time.sleep(args.seconds)
+            console.print(f"{len(load.snapshot())} requests served by 2 ranks; launching a "
+                          "joiner (--ep-join-mode scale) and POSTing /scale_elastic_ep 2 -> 3")
+            joiner = cluster.start_joiner("scale", rank_offset=2)
+            resp = httpx.post(url + "/scale_elastic_ep",
+                              json={"new_ep_size": 3, "operation_id": OPERATION_ID}, timeout=60)
+            console.print(f"POST -> {resp.status_code}: {resp.json()['message']}")
+            result = wait_done(url, 600)
+            console.print(f"operation {result['result']} in {result['duration_s']:.1f} s; "
+                          f"serving with {status(url)['effective_ep_size']} ranks")
             time.sleep(args.seconds)
         results = load.snapshot()
-        console.print(served_table(results, cluster.url, t0))
-        ok = sum(r.ok for r in results)
-        per_shard: dict[object, int] = {}
-        for r in results:
-            per_shard[r.dp_rank] = per_shard.get(r.dp_rank, 0) + int(r.ok)
-        console.print(f"[bold]{ok}/{len(results)} requests ok[/], per shard {per_shard}")
-        if ok != len(results):
+        batches = prefill_batches(joiner.log_path, 2)
+        console.print(timeline(url, t0_wall))
+        console.print(summary(results, batches))
+        if result["result"] != "succeeded" or not all(r.ok for r in results) or batches == 0:
             raise SystemExit(1)
 
 
