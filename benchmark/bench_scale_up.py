@@ -22,20 +22,8 @@ from bench_recovery import scheduler_joined  # noqa: E402
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep.cluster.load import longest_gap  # noqa: E402
+from sglang_elastic_ep.cluster.observe import wait_operation  # noqa: E402
 from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
-
-
-def wait_committed(url: str, operation_id: str, timeout_s: float) -> float:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = httpx.get(url + "/elastic_ep/status", timeout=30).json()
-        done = [op for op in status["recent_operations"] if op["operation_id"] == operation_id]
-        if done:
-            if done[0]["result"] != "succeeded":
-                raise RuntimeError(f"scale-up failed: {done[0]}")
-            return time.monotonic()
-        time.sleep(0.2)
-    raise TimeoutError(f"{operation_id} not done within {timeout_s} s")
 
 
 def run(steady_s: float) -> dict[str, float]:
@@ -54,7 +42,10 @@ def run(steady_s: float) -> dict[str, float]:
                               json={"new_ep_size": 3, "operation_id": "bench-grow"}, timeout=60)
             resp.raise_for_status()
             t_ready = scheduler_joined(joiner.log_path, 300)
-            t_committed = wait_committed(url, "bench-grow", 420)
+            operation = wait_operation(url, "bench-grow", 420)
+            t_committed = time.monotonic()
+            if operation["result"] != "succeeded":
+                raise RuntimeError(f"scale-up failed: {operation}")
             time.sleep(steady_s)
             t_end = time.monotonic()
         finally:

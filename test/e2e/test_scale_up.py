@@ -9,6 +9,8 @@ webhook receiver in order. 2 -> 3 -> 4 adds a joiner launched after the POST (op
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,8 +18,20 @@ import httpx
 import pytest
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
-from sglang_elastic_ep.cluster.observe import WebhookReceiver, metric, sse_events
+from sglang_elastic_ep.cluster.launcher import ServerProcess
+from sglang_elastic_ep.cluster.load import (
+    DEFAULT_PROMPTS,
+    RequestResult,
+    generate,
+    greedy_reference,
+)
+from sglang_elastic_ep.cluster.observe import (
+    WebhookReceiver,
+    metric,
+    sse_events,
+    wait_operation,
+)
+from sglang_elastic_ep.cluster.observe import status as read_status
 from sglang_elastic_ep.sglang.scale_progress import ENV_TEST_SKEW
 
 SCALE_TIMEOUT_S = 420
@@ -33,14 +47,9 @@ needs_opt_in = pytest.mark.skipif(
 
 
 def wait_for_phase(url: str, operation_id: str, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = httpx.get(url + "/elastic_ep/status", timeout=30).json()
-        done = [op for op in status["recent_operations"] if op["operation_id"] == operation_id]
-        if done:
-            return status
-        time.sleep(1.0)
-    raise TimeoutError(f"operation {operation_id} not finished in {timeout_s} s: {status}")
+    """The status once ``operation_id`` finished."""
+    wait_operation(url, operation_id, timeout_s)
+    return read_status(url)
 
 
 def batches_run_by(log_path: Path, shard: int) -> int:
@@ -65,6 +74,40 @@ def operation_events(events: list[dict]) -> dict[str, list[str]]:
 SCALE_EVENTS = ["scale_requested", "rank_joined", "scale_committed"]
 
 
+def grow_2_to_3_joiner_first(cluster: LocalCluster, operation_id: str) -> ServerProcess:
+    """Launch the joiner, POST 2 -> 3, check the answer and the 409 for a second request, and
+    wait for the commit; returns the joiner."""
+    url = cluster.url
+    joiner = cluster.start_joiner("scale", rank_offset=2)
+    resp = httpx.post(url + "/scale_elastic_ep",
+                      json={"new_ep_size": 3, "operation_id": operation_id}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
+    assert (body["old_ep_size"], body["new_ep_size"]) == (2, 3)
+    conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
+    assert conflict.status_code == 409, conflict.text
+    cli = subprocess.run(  # the orchestrator CLI against the real server: exit code 3
+        [sys.executable, "-m", "sglang_elastic_ep.cli.main", "scale", "--url", url, "--to", "4",
+         "--http-timeout", "60"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert cli.returncode == 3 and "conflict" in cli.stdout, (cli.returncode, cli.stdout)
+    status = wait_for_phase(url, operation_id, SCALE_TIMEOUT_S)
+    assert status["effective_ep_size"] == 3, status
+    assert status["recent_operations"][0]["result"] == "succeeded", status
+    assert status["phase"] == "serving_expanded", status
+    return joiner
+
+
+def assert_nothing_lost(results: list[RequestResult], reference: dict[str, list[int]]) -> None:
+    failed = [r for r in results if not r.ok]
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+    changed = [r for r in results if r.output_ids != reference[r.prompt]]
+    assert not changed, f"outputs changed during scaling: {changed[:3]}"
+    assert len(results) > 20
+
+
 @pytest.mark.timeout(1200)
 def test_scale_up_2_to_3_under_load_with_a_late_rank(tiny_model: Path) -> None:
     """Rank 1 sees the scale 3 passes late (injected skew): rank 0 keeps serving until it
@@ -81,31 +124,12 @@ def test_scale_up_2_to_3_under_load_with_a_late_rank(tiny_model: Path) -> None:
             reference = greedy_reference(url)
             load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
             try:
-                joiner = cluster.start_joiner("scale", rank_offset=2)
-                resp = httpx.post(
-                    url + "/scale_elastic_ep",
-                    json={"new_ep_size": 3, "operation_id": "grow-to-3"}, timeout=60,
-                )
-                assert resp.status_code == 200, resp.text
-                body = resp.json()
-                assert body["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
-                assert (body["old_ep_size"], body["new_ep_size"]) == (2, 3)
-                conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4},
-                                      timeout=60)
-                assert conflict.status_code == 409, conflict.text
-                status = wait_for_phase(url, "grow-to-3", SCALE_TIMEOUT_S)
-                assert status["effective_ep_size"] == 3, status
-                assert status["recent_operations"][0]["result"] == "succeeded", status
-                assert status["phase"] == "serving_expanded", status
+                joiner = grow_2_to_3_joiner_first(cluster, "grow-to-3")
                 time.sleep(5.0)  # steady load on three shards
             finally:
                 results = load.stop()
 
-            failed = [r for r in results if not r.ok]
-            assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
-            changed = [r for r in results if r.output_ids != reference[r.prompt]]
-            assert not changed, f"outputs changed during scaling: {changed[:3]}"
-            assert len(results) > 20
+            assert_nothing_lost(results, reference)
             assert greedy_reference(url) == reference
             assert batches_run_by(joiner.log_path, 2) > 0, "the DP router must use new shard 2"
             primary_log = cluster.primary.log_path.read_text(errors="replace")
@@ -131,17 +155,7 @@ def test_scale_up_2_to_3_to_4_under_load(tiny_model: Path) -> None:
         load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
         try:
             # 2 -> 3: joiner first, then the request.
-            cluster.start_joiner("scale", rank_offset=2)
-            resp = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3}, timeout=60)
-            assert resp.status_code == 200, resp.text
-            body = resp.json()
-            assert body["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
-            assert (body["old_ep_size"], body["new_ep_size"]) == (2, 3)
-            conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
-            assert conflict.status_code == 409, conflict.text
-            status = wait_for_phase(url, body["operation_id"], SCALE_TIMEOUT_S)
-            assert status["effective_ep_size"] == 3, status
-            assert status["recent_operations"][0]["result"] == "succeeded", status
+            grow_2_to_3_joiner_first(cluster, "grow-to-3")
 
             # 3 -> 4: the request first, then the joiner.
             resp = httpx.post(
@@ -160,14 +174,8 @@ def test_scale_up_2_to_3_to_4_under_load(tiny_model: Path) -> None:
         finally:
             results = load.stop()
 
-        failed = [r for r in results if not r.ok]
-        assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
-        changed = [r for r in results if r.output_ids != reference[r.prompt]]
-        assert not changed, f"outputs changed during scaling: {changed[:3]}"
-        assert len(results) > 20
-        with httpx.Client() as client:
-            after = {p: generate(client, url, p, 8).output_ids for p in DEFAULT_PROMPTS}
-        assert after == reference
+        assert_nothing_lost(results, reference)
+        assert greedy_reference(url) == reference
         with httpx.Client() as client:
             for i in range(12):  # round-robin over 4 shards: 3 each
                 assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok

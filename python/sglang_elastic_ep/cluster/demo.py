@@ -14,7 +14,7 @@ from rich.table import Table
 
 from sglang_elastic_ep.cluster.launcher import ClusterSpec, LocalCluster
 from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, LoadClient, RequestResult
-from sglang_elastic_ep.cluster.observe import sse_events, status
+from sglang_elastic_ep.cluster.observe import sse_events, status, wait_operation
 from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model
 
 console = Console()
@@ -24,17 +24,6 @@ OPERATION_ID = "demo-grow"
 def prefill_batches(log: Path, shard: int) -> int:
     """Batches a shard's scheduler ran (a joiner's responses carry no dp_rank)."""
     return log.read_text(errors="replace").count(f" DP{shard}] Prefill batch")
-
-
-def wait_done(url: str, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        current = status(url)
-        done = [op for op in current["recent_operations"] if op["operation_id"] == OPERATION_ID]
-        if done:
-            return done[0]
-        time.sleep(1.0)
-    raise TimeoutError(f"scale-up not finished in {timeout_s} s")
 
 
 def timeline(url: str, t0_wall: float) -> Table:
@@ -50,6 +39,15 @@ def timeline(url: str, t0_wall: float) -> Table:
             detail = f"{sizes} in {event['duration_s']:.1f} s"
         table.add_row(f"{event['time'] - t0_wall:6.1f}", event["type"],
                       str(event.get("ranks", "")), detail)
+    return table
+
+
+def phases(operation: dict, t0_wall: float) -> Table:
+    table = Table(title=f"operation {OPERATION_ID}: phases (GET /elastic_ep/status)")
+    table.add_column("t (s)")
+    table.add_column("phase")
+    for stamp in operation["phase_timestamps"]:
+        table.add_row(f"{stamp['at'] - t0_wall:6.1f}", stamp["phase"])
     return table
 
 
@@ -81,12 +79,13 @@ def main() -> None:
             resp = httpx.post(url + "/scale_elastic_ep",
                               json={"new_ep_size": 3, "operation_id": OPERATION_ID}, timeout=60)
             console.print(f"POST -> {resp.status_code}: {resp.json()['message']}")
-            result = wait_done(url, 600)
+            result = wait_operation(url, OPERATION_ID, 600)
             console.print(f"operation {result['result']} in {result['duration_s']:.1f} s; "
                           f"serving with {status(url)['effective_ep_size']} ranks")
             time.sleep(args.seconds)
         results = load.snapshot()
         batches = prefill_batches(joiner.log_path, 2)
+        console.print(phases(result, t0_wall))
         console.print(timeline(url, t0_wall))
         console.print(summary(results, batches))
         if result["result"] != "succeeded" or not all(r.ok for r in results) or batches == 0:

@@ -27,6 +27,19 @@ def wait_rank_state(url: str, rank: int, state: str, timeout_s: float) -> dict:
         time.sleep(1.0)
 
 
+def wait_operation(url: str, operation_id: str, timeout_s: float) -> dict:
+    """Poll the status until ``operation_id`` finished; its entry in ``recent_operations``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = status(url)
+        done = [op for op in current["recent_operations"] if op["operation_id"] == operation_id]
+        if done:
+            return done[0]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"operation {operation_id} not finished in {timeout_s} s: {current}")
+        time.sleep(0.5)
+
+
 def sse_events(url: str) -> list[dict]:
     """Every buffered event, read over ``GET /elastic_ep/events`` (SSE, not followed)."""
     resp = httpx.get(url + "/elastic_ep/events", params={"follow": "false"}, timeout=30)

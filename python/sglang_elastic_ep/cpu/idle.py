@@ -10,7 +10,7 @@ The idle sleeper here handles both. An idle rank polls its request sockets with 
 timeout (``SGLANG_EEP_IDLE_POLL_MS``, default 5 ms) instead of upstream's 1 s
 (``--sleep-on-idle``): the receiving rank wakes at once and every other rank within one
 timeout, so the first request waits at most that long. While it polls it parks the process's
-busy-spinning native threads (found once by their CPU time, see
+busy-spinning native threads (found by their CPU time, again every 30 s as they start late, see
 ``find_spinning_native_threads``) with ``scripts/native/thread_park.c``: a real-time signal
 whose handler sleeps on a futex until released. They stay parked for the whole of
 ``Scheduler.on_idle`` (housekeeping, then the poll) and while the CPU EP buffer waits for its
@@ -77,17 +77,28 @@ def thread_cpu_ns(tid: int) -> int | None:
         return None
 
 
+def in_user_space(tid: int) -> bool:
+    """Whether thread ``tid`` of this process is outside any system call right now."""
+    try:
+        return Path(f"/proc/self/task/{tid}/syscall").read_text().startswith("running")
+    except OSError:
+        return False
+
+
 def find_spinning_native_threads(
     window_s: float = SPIN_WINDOW_S,
     min_share: float = SPIN_MIN_SHARE,
     wait: Callable[[float], None] = time.sleep,
+    samples: int = 4,
 ) -> list[int]:
-    """Threads of this process, not created by Python, that burn CPU while this thread waits.
+    """Threads of this process, not created by Python, that spin while this thread waits:
+    outside any system call at every sample, and burning CPU.
 
-    Called only from the idle sleeper, so nothing of ours is in flight; Python threads
-    (watchdogs, our own helpers) are never candidates. ``wait`` may return early (a request
-    arrived): the share is taken over the time actually waited, and a wait too short to tell
-    finds nothing.
+    A thread that is merely busy for a moment (a transport thread receiving a peer's writes)
+    sits in ``epoll_wait``/``recv`` at some sample and is never chosen: parking it would stall
+    the peers. Called only from the idle sleeper, so nothing of ours is in flight; Python
+    threads are never candidates. ``wait`` may return early (a request arrived): then the
+    search finds nothing.
     """
     python_tids = {t.native_id for t in threading.enumerate()}
     candidates = [
@@ -95,15 +106,26 @@ def find_spinning_native_threads(
         if int(entry) not in python_tids
     ]
     before = {tid: thread_cpu_ns(tid) for tid in candidates}
+    spinning_samples = dict.fromkeys(candidates, 0)
     started = time.monotonic()
-    wait(window_s)
+    step = window_s / samples
+    for _ in range(samples):
+        t = time.monotonic()
+        wait(step)
+        if time.monotonic() - t < step / 2:
+            return []  # cut short: a request is waiting
+        for tid in candidates:
+            spinning_samples[tid] += in_user_space(tid)
     waited = time.monotonic() - started
-    if waited < window_s / 5:
-        return []
     spinning = []
     for tid, start in before.items():
         end = thread_cpu_ns(tid)
-        if start is not None and end is not None and end - start >= min_share * waited * 1e9:
+        if (
+            spinning_samples[tid] == samples
+            and start is not None
+            and end is not None
+            and end - start >= min_share * waited * 1e9
+        ):
             spinning.append(tid)
     return spinning
 

@@ -124,9 +124,8 @@ def mirror_active_ranks(result: Any, tokenizer_manager: Any, ranks: Any) -> None
         from sglang.srt.managers.io_struct import AbortReq
 
         for shard, rids in lost.items():
-            ranks_text = f"{shard * replica}..{shard * replica + replica - 1}" if replica > 1 \
-                else str(shard)
-            message = LOST_WITH_SHARD.format(ranks=ranks_text)
+            first, last = shard * replica, shard * replica + replica - 1
+            message = LOST_WITH_SHARD.format(ranks=f"{first}..{last}" if last > first else first)
             for rid in rids:
                 tokenizer_manager._handle_abort_req(AbortReq(
                     rid=rid, abort_message=message,
