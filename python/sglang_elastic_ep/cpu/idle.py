@@ -13,9 +13,10 @@ timeout, so the first request waits at most that long. While it polls it parks t
 busy-spinning native threads (found by their CPU time, again every 30 s as they start late, see
 ``find_spinning_native_threads``) with ``scripts/native/thread_park.c``: a real-time signal
 whose handler sleeps on a futex until released. They stay parked for the whole of
-``Scheduler.on_idle`` (housekeeping, then the poll) and while the CPU EP buffer waits for its
-peers (``set_long_wait_hooks``): neither runs a Mooncake collective. A park also ends by itself
-after ``MAX_PARK_MS``, so a collective started by mistake is delayed, never hung.
+``Scheduler.on_idle`` (housekeeping, then the poll), which runs no Mooncake collective. A park
+also ends by itself after ``MAX_PARK_MS``, so a collective started by mistake is delayed, never
+hung. (Parking them during the CPU EP buffer's long waits too was tried and withdrawn: with it,
+clusters stalled around membership changes.)
 """
 
 from __future__ import annotations
@@ -229,13 +230,7 @@ def install_idle_sleeper(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         return
     channels = scheduler.ipc_channels
     sockets = [s for s in (channels.recv_from_tokenizer, channels.recv_from_rpc) if s is not None]
-    parker = make_thread_parker()
-    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout, parker)
-    if parker is not None:
-        # Waits inside the CPU EP buffer run no Mooncake collective either: park there too.
-        from sglang_elastic_ep.backends.nixl_cpu.buffer import set_long_wait_hooks
-
-        set_long_wait_hooks(parker.park, parker.unpark)
+    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout, make_thread_parker())
 
 
 def dp_controller_event_loop(controller: Any) -> None:

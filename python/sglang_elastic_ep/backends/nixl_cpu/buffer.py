@@ -185,33 +185,11 @@ def _nixl_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-# Called when a wait turns long and when it ends: the CPU engine parks its process's
-# busy-spinning native threads (Mooncake PG's worker) meanwhile, as no Mooncake collective can
-# run on this thread while it waits here (cpu/idle.py). None: nothing to park.
-_long_wait_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
-
-
-def set_long_wait_hooks(start: Callable[[], None], end: Callable[[], None]) -> None:
-    global _long_wait_hooks
-    _long_wait_hooks = (start, end)
-
-
 class _Backoff:
-    """Spin briefly, then yield, then sleep up to 1 ms (2 cores are shared by all ranks).
-    A context manager: from the first sleep on the wait counts as long (see
-    ``set_long_wait_hooks``)."""
+    """Spin briefly, then yield, then sleep up to 1 ms (2 cores are shared by all ranks)."""
 
     def __init__(self) -> None:
         self.n = 0
-        self._hooks = _long_wait_hooks
-        self._long = False
-
-    def __enter__(self) -> _Backoff:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._long and self._hooks is not None:
-            self._hooks[1]()
 
     def __call__(self) -> None:
         self.n += 1
@@ -219,11 +197,8 @@ class _Backoff:
             return
         if self.n < 32:
             time.sleep(0)
-            return
-        if self._hooks is not None and (not self._long or self.n % 16 == 0):
-            self._long = True
-            self._hooks[0]()  # again now and then: a park ends by itself after a while
-        time.sleep(min(1e-3, 2e-5 * (self.n - 31)))
+        else:
+            time.sleep(min(1e-3, 2e-5 * (self.n - 31)))
 
 
 # --------------------------------------------------------------------------- the buffer
@@ -578,12 +553,6 @@ class Buffer:
         logger.debug("rank %d connected %s (agent %s)", self.rank, ranks, self.agent_name)
 
     def _handshake(self, store: Any, ranks: list[int], deadline: float) -> None:
-        with _Backoff() as backoff:
-            self._handshake_loop(store, ranks, deadline, backoff)
-
-    def _handshake_loop(
-        self, store: Any, ranks: list[int], deadline: float, backoff: _Backoff
-    ) -> None:
         layout = self.layout
         loaded: dict[int, str] = {}  # rank -> agent whose metadata is loaded
         sent: dict[int, str] = {}  # rank -> agent our handshake write went to
@@ -591,6 +560,7 @@ class Buffer:
         acked: set[int] = set()  # the peer's handshake naming our agent arrived
         last_read: dict[int, float] = {}
         waiting = set(ranks)
+        backoff = _Backoff()
         me = self.agent_name.encode()
         while True:
             now = time.monotonic()
@@ -802,17 +772,12 @@ class Buffer:
         return None
 
     def _wait(self, tag: bytes, peers: Sequence[_Peer], deadline: float) -> dict[int, int]:
-        with _Backoff() as backoff:
-            return self._wait_loop(tag, peers, deadline, backoff)
-
-    def _wait_loop(
-        self, tag: bytes, peers: Sequence[_Peer], deadline: float, backoff: _Backoff
-    ) -> dict[int, int]:
         """Wait for one ``tag`` notification from each peer; mask the ones that fail or stay
         silent past ``deadline``. Returns rank -> sequence number of what arrived."""
         got: dict[int, int] = {}
         waiting = {p.rank: p for p in peers if not p.masked}
         start = time.monotonic()
+        backoff = _Backoff()
         while waiting:
             self._poll()
             now = time.monotonic()
@@ -853,12 +818,9 @@ class Buffer:
         return got
 
     def _flush(self, peers: Iterable[_Peer], deadline: float) -> None:
-        with _Backoff() as backoff:
-            self._flush_loop(peers, deadline, backoff)
-
-    def _flush_loop(self, peers: Iterable[_Peer], deadline: float, backoff: _Backoff) -> None:
         """Wait until our writes to ``peers`` completed (so this rank may go idle)."""
         pending = [p for p in peers if p.xfers and not p.masked]
+        backoff = _Backoff()
         while pending:
             self._poll()
             pending = [p for p in pending if p.xfers and not p.masked]
