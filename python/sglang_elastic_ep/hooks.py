@@ -81,7 +81,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{S}managers.scheduler.Scheduler.on_idle",
          "sglang.scale_progress:idle_pass", "AROUND", "all",
          "upstream advances a pending scale only after forward passes; idle servers never did;"
-         " on CPU, Mooncake's spinning worker is parked during idle housekeeping"),
+         " on CPU (opt-in), Mooncake's spinning worker is parked during idle housekeeping"),
     Hook(f"{EEP}.maybe_rebalance_after_rank_fault",
          "sglang.scale_progress:rebalance_after_rank_fault", "AROUND", "all",
          "without --enable-eplb upstream dereferences a None EPLB manager on a rank fault"),
@@ -114,7 +114,7 @@ HOOKS: tuple[Hook, ...] = (
          "upstream reduce_scatterv needs pynccl; on CPU all-reduce and keep this rank's slice"),
     Hook(f"{S}managers.scheduler.Scheduler.init_idle_sleeper", "cpu.idle:install_idle_sleeper",
          "AFTER", "cpu",
-         "idle ranks poll 5 ms, not 1 s, and find Mooncake's spinning worker to park (cheap idle)"),
+         "idle ranks poll 5 ms, not 1 s; optionally park Mooncake's spinning worker (opt-in)"),
     Hook(f"{S}server_args.wait_port_available", "cpu.shared_host:wait_port_available",
          "AROUND", "cpu",
          "a node relaunched on node 0's host (CPU cluster) must not wait for node 0's ports"),

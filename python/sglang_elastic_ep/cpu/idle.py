@@ -6,17 +6,16 @@ thread polls its task table in an endless native loop (``mooncake_worker_thread.
 ``while (running_) { PAUSE(); ... }``), one core per process whether or not a collective is in
 flight; on 2 cores a 2-rank cluster therefore sat at 2 cores doing nothing.
 
-The idle sleeper here handles both. An idle rank polls its request sockets with a short
-timeout (``SGLANG_EEP_IDLE_POLL_MS``, default 5 ms) instead of upstream's 1 s
-(``--sleep-on-idle``): the receiving rank wakes at once and every other rank within one
-timeout, so the first request waits at most that long. While it polls it parks the process's
-busy-spinning native threads (found by their CPU time, again every 30 s as they start late, see
-``find_spinning_native_threads``) with ``scripts/native/thread_park.c``: a real-time signal
-whose handler sleeps on a futex until released. They stay parked for the whole of
-``Scheduler.on_idle`` (housekeeping, then the poll), which runs no Mooncake collective. A park
-also ends by itself after ``MAX_PARK_MS``, so a collective started by mistake is delayed, never
-hung. (Parking them during the CPU EP buffer's long waits too was tried and withdrawn: with it,
-clusters stalled around membership changes.)
+The idle sleeper here handles both, the second only when asked
+(``SGLANG_EEP_IDLE_PARK_SPINNERS=1``; see ``park_spinners_enabled``). An idle rank polls its
+request sockets with a short timeout (``SGLANG_EEP_IDLE_POLL_MS``, default 5 ms) instead of
+upstream's 1 s (``--sleep-on-idle``): the receiving rank wakes at once and every other rank
+within one timeout, so the first request waits at most that long. With parking on, the
+process's busy-spinning native threads (found by their CPU time, again every 30 s as they
+start late, see ``find_spinning_native_threads``) are parked with
+``scripts/native/thread_park.c``: a real-time signal whose handler sleeps on a futex until
+released. They stay parked for the whole of ``Scheduler.on_idle`` (housekeeping, then the
+poll), which runs no Mooncake collective. A park also ends by itself after ``MAX_PARK_MS``.
 """
 
 from __future__ import annotations
@@ -57,7 +56,12 @@ def idle_poll_ms() -> float:
 
 
 def park_spinners_enabled() -> bool:
-    raw = os.environ.get(ENV_PARK_SPINNERS, "1").strip().lower()
+    """Off by default: with parking on, the first passes of a process that just joined (a
+    scale-up, a recovery) went wrong in 2 of 4 stall-hunt runs, and in 0 of 4 with it off.
+    A likely mechanism: Mooncake's worker resets a task slot only when it next sees the slot
+    idle, and a park right after a collective can keep it from seeing that before the slot is
+    reused."""
+    raw = os.environ.get(ENV_PARK_SPINNERS, "0").strip().lower()
     if raw not in {"0", "1", "false", "true", "no", "yes"}:
         raise ValueError(f"{ENV_PARK_SPINNERS} must be 0 or 1, got {raw!r}")
     return raw in {"1", "true", "yes"}
