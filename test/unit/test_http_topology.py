@@ -26,3 +26,24 @@ def test_the_tokenizer_managers_replica_size_wins_over_server_args() -> None:
     assert topology_from_args(args)[0].attn_replica_size == 2
     topology, ep_size = topology_from_args(args, replica_size=1)
     assert ep_size == 2 and topology.attn_replica_size == 1
+
+
+def test_liveness_reports_act_only_on_a_change(monkeypatch) -> None:
+    """Schedulers report after every batch; a repeat of the same view does nothing."""
+    from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+    from sglang_elastic_ep.core.validation import ScaleTopology
+    from sglang_elastic_ep.sglang import http_adapter
+
+    plane = InProcessControlPlane(
+        topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=2
+    )
+    monkeypatch.setattr(http_adapter, "_plane", plane)
+    monkeypatch.setattr(http_adapter, "_last_status", None)
+    monkeypatch.setattr(http_adapter, "_router", http_adapter.LiveShardRouter())
+    tm = SimpleNamespace(attn_replica_size=1, rid_to_state={})
+    for _ in range(3):
+        http_adapter.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, False, False]))
+    assert plane.health().checks == 1
+    assert [e.type for e in plane.events.since(0).events] == ["rank_failed", "recovery_required"]
+    http_adapter.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
+    assert plane.events.since(0).events[-1].type == "rank_recovered"

@@ -28,6 +28,7 @@ _UPSTREAM_PHASES = {p.value: p for p in Phase}
 
 _plane: InProcessControlPlane | None = None
 _router = LiveShardRouter()
+_last_status: tuple[bool, ...] | None = None  # the shard liveness last acted on
 LOST_WITH_SHARD = (
     "the DP shard running this request (EP ranks {ranks}) failed before it finished; nothing "
     "was returned for it: retry the request"
@@ -110,11 +111,15 @@ def mirror_active_ranks(result: Any, tokenizer_manager: Any, ranks: Any) -> None
     a shard that went down into ``rank_failed``/``recovery_required`` and its return into
     ``rank_recovered``; requests the dead shard was running end with HTTP 503 and a message
     saying so, instead of waiting forever."""
+    global _last_status
     plane = _plane
-    if plane is None:
+    # Schedulers report after every batch; only a change means anything.
+    status = tuple(bool(up) for up in ranks.status)
+    if plane is None or status == _last_status:
         return
+    _last_status = status
     replica = int(getattr(tokenizer_manager, "attn_replica_size", 1) or 1)
-    down_shards = {shard for shard, up in enumerate(ranks.status) if not up}
+    down_shards = {shard for shard, up in enumerate(status) if not up}
     down = [shard * replica + i for shard in sorted(down_shards) for i in range(replica)]
     lost = _router.mark_down(down_shards, tokenizer_manager.rid_to_state)
     plane.observe_rank_liveness(

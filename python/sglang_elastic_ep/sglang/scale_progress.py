@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
+from sglang_elastic_ep.cpu.idle import parked_during_idle
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,6 @@ def _elastic_state() -> Any:
 def idle_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``Scheduler.on_idle``: on the CPU engine, Mooncake's spinning worker stays parked
     through the idle housekeeping and sleep (cpu/idle.py); then the per-forward elastic step."""
-    from sglang_elastic_ep.cpu.idle import parked_during_idle
-
     with parked_during_idle(scheduler):
         result = original(scheduler, *args, **kwargs)
     progress_membership_when_idle(result, scheduler)
