@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -28,3 +31,21 @@ def write_section(name: str, body: str, doc: Path = DOC) -> None:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+def run_under_load(doc: str, run: Callable[[float], dict[str, float]]) -> dict[str, float]:
+    """The CLI the under-load scenarios share: ``--steady-seconds`` of traffic around each
+    step; prints and returns what ``run`` measured."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steady-seconds", type=float, default=15.0)
+    result = run(parser.parse_args().steady_seconds)
+    print(result, flush=True)
+    return result
+
+
+def seconds_table(title: str, setup: str) -> list[str]:
+    """Section title, the command that ran, the set-up, and a ``measure | seconds`` header."""
+    return [
+        f"## {title}", "", f"Command: `{command_line()}` on {os.cpu_count()} cores.", setup, "",
+        "| measure | seconds |", "|---|---:|",
+    ]

@@ -8,31 +8,24 @@ Writes docs/benchmarks.md section ``recovery``.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command_line, write_section  # noqa: E402
+from _report import run_under_load, seconds_table, write_section  # noqa: E402
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep.cluster.load import longest_gap  # noqa: E402
+from sglang_elastic_ep.cluster.observe import wait_rank_state  # noqa: E402
 from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
 
 
 def wait_rank(url: str, rank: int, state: str, timeout_s: float) -> float:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = httpx.get(url + "/elastic_ep/status", timeout=30).json()
-        if status["ranks"][rank]["state"] == state:
-            return time.monotonic()
-        time.sleep(0.2)
-    raise TimeoutError(f"rank {rank} not {state} within {timeout_s} s")
+    """When ``rank`` reached ``state`` (status polled every 0.2 s)."""
+    wait_rank_state(url, rank, state, timeout_s, poll_s=0.2)
+    return time.monotonic()
 
 
 def scheduler_joined(log: Path, timeout_s: float) -> float:
@@ -85,21 +78,14 @@ def run(steady_s: float) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steady-seconds", type=float, default=15.0)
-    args = parser.parse_args()
-    r = run(args.steady_seconds)
-    print(r, flush=True)
+    r = run_under_load(__doc__, run)
     lines = [
-        "## Crash recovery under load (issue: scale-up and crash recovery, item 8)",
-        "",
-        f"Command: `{command_line()}` on {os.cpu_count()} cores.",
-        "Two nodes of one EP rank each (`--moe-a2a-backend nixl`, every expert on both ranks), "
-        "2 concurrent clients sending 8-token greedy requests back to back. Node 1 is "
-        "SIGKILLed, then relaunched with `--ep-join-mode recover`.",
-        "",
-        "| measure | seconds |",
-        "|---|---:|",
+        *seconds_table(
+            "Crash recovery under load (issue: scale-up and crash recovery, item 8)",
+            "Two nodes of one EP rank each (`--moe-a2a-backend nixl`, every expert on both ranks), "
+            "2 concurrent clients sending 8-token greedy requests back to back. Node 1 is "
+            "SIGKILLed, then relaunched with `--ep-join-mode recover`.",
+        ),
         f"| kill -> rank 1 `failed` in status (fault detection) | {r['detect_s']:.1f} |",
         f"| relaunch -> replacement loaded its weights | {r['launch_to_loaded_s']:.1f} |",
         f"| replacement loaded -> full size (`serving_recovered`) | {r['loaded_to_full_s']:.1f} |",

@@ -8,8 +8,6 @@ finished loading weights. Writes docs/benchmarks.md section ``scale_up``.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command_line, write_section  # noqa: E402
+from _report import run_under_load, seconds_table, write_section  # noqa: E402
 from bench_recovery import scheduler_joined  # noqa: E402
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
@@ -63,20 +61,13 @@ def run(steady_s: float) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steady-seconds", type=float, default=15.0)
-    args = parser.parse_args()
-    r = run(args.steady_seconds)
-    print(r, flush=True)
+    r = run_under_load(__doc__, run)
     lines = [
-        "## Runtime scale-up 2 -> 3 under load (issue: scale-up and crash recovery, item 8)",
-        "",
-        f"Command: `{command_line()}` on {os.cpu_count()} cores.",
-        "Primary with 2 EP ranks (`--moe-a2a-backend nixl`), 2 concurrent clients sending "
-        "8-token greedy requests back to back; the joiner is launched, then the scale POSTed.",
-        "",
-        "| measure | seconds |",
-        "|---|---:|",
+        *seconds_table(
+            "Runtime scale-up 2 -> 3 under load (issue: scale-up and crash recovery, item 8)",
+            "Primary with 2 EP ranks (`--moe-a2a-backend nixl`), 2 concurrent clients sending "
+            "8-token greedy requests back to back; the joiner is launched, then the scale POSTed.",
+        ),
         f"| joiner launched -> its weights loaded (ready) | {r['launch_to_ready_s']:.1f} |",
         f"| joiner ready -> `serving_expanded` (control-plane latency) | "
         f"{r['ready_to_committed_s']:.1f} |",

@@ -15,7 +15,9 @@ def status(url: str) -> dict:
     return httpx.get(url + "/elastic_ep/status", timeout=30).json()
 
 
-def wait_rank_state(url: str, rank: int, state: str, timeout_s: float) -> dict:
+def wait_rank_state(
+    url: str, rank: int, state: str, timeout_s: float, poll_s: float = 1.0
+) -> dict:
     """Poll the status until ``rank`` is in ``state``; the status then."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -24,7 +26,7 @@ def wait_rank_state(url: str, rank: int, state: str, timeout_s: float) -> dict:
             return current
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {rank} not {state} in {timeout_s} s: {current}")
-        time.sleep(1.0)
+        time.sleep(poll_s)
 
 
 def wait_operation(url: str, operation_id: str, timeout_s: float) -> dict:
