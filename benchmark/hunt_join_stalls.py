@@ -1,0 +1,72 @@
+"""Diagnostic for the known issue in docs/design.md: kill -9 and recover a node under load,
+``--iterations`` times; when requests stop completing, py-spy every scheduler into
+``--dumps``. Prints ``ok`` or ``stalled`` per iteration.
+
+Used at the end of stop 9: with ``SGLANG_EEP_IDLE_PARK_SPINNERS=1`` 2 of 4 iterations
+stalled, with it off (the default) 0 of 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep.cluster.observe import wait_rank_state
+from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model
+
+
+def dump_schedulers(out: Path, tag: str) -> None:
+    with out.open("a") as f:
+        f.write(f"===== {tag} {time.ctime()}\n")
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            title = " ".join(proc.info["cmdline"] or [])
+            if title.startswith("sglang::scheduler"):
+                spy = subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)],
+                                     capture_output=True, text=True, timeout=60)
+                f.write(f"--- {proc.pid} {title}\n{spy.stdout[:3000]}\n")
+
+
+def one_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
+    with LocalCluster(spec) as cluster:
+        url = cluster.url
+        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+        try:
+            time.sleep(3.0)
+            cluster.kill_node(1)
+            try:
+                wait_rank_state(url, 1, "failed", 60)
+            except TimeoutError:
+                dump_schedulers(dumps, f"{tag}: fault never reported")
+                return "stalled at the fault"
+            time.sleep(3.0)
+            cluster.start_node(1, recover=True)
+            wait_rank_state(url, 1, "active", 300)
+            served = len(load.snapshot())
+            time.sleep(15.0)
+            if len(load.snapshot()) == served:
+                dump_schedulers(dumps, f"{tag}: stalled after recovery")
+                return "stalled after recovery"
+            return "ok"
+        finally:
+            load.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--dumps", type=Path, default=Path("stall_dumps.txt"))
+    args = parser.parse_args()
+    spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=2, max_ep_size=4,
+                       moe_a2a_backend="nixl", nodes=2,
+                       extra_args=["--ep-num-redundant-experts", "16"])
+    for i in range(args.iterations):
+        print(f"iteration {i}: {one_iteration(spec, args.dumps, f'iteration {i}')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
