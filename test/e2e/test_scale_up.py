@@ -5,11 +5,11 @@ fails, the fixed prompts decode to the same tokens before, during and after, the
 requests to the new shard, and the operation's events arrive over SSE and at a webhook receiver
 in order. 2 -> 3 -> 4 adds a joiner launched after the POST.
 
-Both are opt-in (``SGLANG_EEP_E2E_SCALE=1``) until the first passes after a commit are reliable
-on 2 cores: in about 1 run of 4, right after "Scale completed" under load, the new rank's first
-DP-attention all-gather met a different collective of the others (its scheduler died with
-"0 is not a valid ForwardMode"), or no request completed after the commit. Skips print the
-reason; they are never counted as passes.
+2 -> 3 -> 4 is opt-in (``SGLANG_EEP_E2E_SCALE_TO_4=1``): in stop 10 it failed when the second
+joiner started under load. The first joiner's scheduler (rank 2) blocked for 30 s inside
+``TCPStore.check`` (upstream's ``get_scale_cohort``, whose store is served from rank 0's
+process) until the NIXL combine timeout masked it. Not understood yet; the skip prints this
+reason and is never counted as a pass.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from sglang_elastic_ep.sglang.scale_progress import ENV_TEST_SKEW
 
 SCALE_TIMEOUT_S = 420
 
-needs_opt_in = pytest.mark.skipif(
-    os.environ.get("SGLANG_EEP_E2E_SCALE") != "1",
-    reason="scale-up under load is not yet reliable on a 2-core machine (issue 4: the first "
-    "passes after a commit); run with SGLANG_EEP_E2E_SCALE=1",
+needs_opt_in_to_4 = pytest.mark.skipif(
+    os.environ.get("SGLANG_EEP_E2E_SCALE_TO_4") != "1",
+    reason="2 -> 3 -> 4 under load: the first joiner blocked in TCPStore.check when the second "
+    "started (issue 4, see the module docstring); run with SGLANG_EEP_E2E_SCALE_TO_4=1",
 )
 
 
@@ -111,7 +111,6 @@ def assert_nothing_lost(results: list[RequestResult], reference: dict[str, list[
     assert len(results) > 20
 
 
-@needs_opt_in
 @pytest.mark.timeout(1200)
 def test_scale_up_2_to_3_under_load_with_a_late_rank(tiny_model: Path) -> None:
     """Rank 1 sees the scale 3 passes late (injected skew): rank 0 keeps serving until it
@@ -149,7 +148,7 @@ def test_scale_up_2_to_3_under_load_with_a_late_rank(tiny_model: Path) -> None:
             assert operation_events(delivered)["grow-to-3"] == SCALE_EVENTS, delivered
 
 
-@needs_opt_in
+@needs_opt_in_to_4
 @pytest.mark.timeout(1500)
 def test_scale_up_2_to_3_to_4_under_load(tiny_model: Path) -> None:
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl")

@@ -317,12 +317,15 @@ class InProcessControlPlane:
         with self._lock:
             m = self._membership
             newly_failed = sorted(
-                r for r in down_set if r < m.effective_size and r not in m.failed
+                r for r in down_set
+                if r < m.effective_size and r not in m.failed and r not in m.leaving
             )
             back = sorted(r for r in m.failed if r not in down_set)
             self._health_snapshot = None
             decision = self._health.observe(
-                alive={r: r not in down_set for r in range(m.effective_size)},
+                alive={
+                    r: r not in down_set for r in range(m.effective_size) if r not in m.leaving
+                },
                 expert_latency={},
                 expert_rank={},
             )

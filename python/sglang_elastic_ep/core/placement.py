@@ -257,3 +257,21 @@ def _source_moves(
             outgoing[src[0]] = outgoing.get(src[0], 0) + 1
             moves.append(WeightMove(expert, src[0], src[1], rank, slot))
     return moves, reloads
+
+
+def uncovered_experts(
+    physical_to_logical: Sequence[Sequence[int]], slots: int
+) -> dict[int, list[int]]:
+    """Per layer, the logical experts with no replica among the first ``slots`` physical slots
+    (the staying ranks of a tail scale-down); only layers with such experts are listed.
+
+    ``physical_to_logical`` is SGLang's map, one row per MoE layer; the logical experts of a
+    layer are the ones its full row holds."""
+    if slots < 0:
+        raise ValueError(f"slots must be >= 0, got {slots}")
+    missing: dict[int, list[int]] = {}
+    for layer, row in enumerate(physical_to_logical):
+        gone = sorted({e for e in row if e != EMPTY} - set(row[:slots]))
+        if gone:
+            missing[layer] = gone
+    return missing

@@ -4,11 +4,13 @@ Upstream's DP controller routes round-robin in its own process, so when a shard'
 nobody knows which requests it held: their clients wait forever. Routing in the tokenizer
 process instead (same round-robin, over the shards known to be alive) keeps that knowledge
 next to the request states, so the requests of a dead shard can be ended with a clear error.
+The same knowledge drains a scale-down: leaving shards get no new request, and the requests
+they still run are known (and ended with a clear error if the drain times out).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 PRUNE_AT = 4096  # tracked ids per shard before finished ones are dropped
@@ -17,12 +19,13 @@ PRUNE_AT = 4096  # tracked ids per shard before finished ones are dropped
 @dataclass
 class LiveShardRouter:
     down: frozenset[int] = frozenset()
+    leaving: frozenset[int] = frozenset()  # a scale-down drains them: no new requests
     _next: int = 0
     _by_shard: dict[int, list[str]] = field(default_factory=dict)
 
     def pick(self, shard_count: int) -> int | None:
-        """Round-robin over shards ``[0, shard_count)`` not known to be down; None if none."""
-        live = [s for s in range(shard_count) if s not in self.down]
+        """Round-robin over shards ``[0, shard_count)`` neither down nor leaving; None if none."""
+        live = [s for s in range(shard_count) if s not in self.down and s not in self.leaving]
         if not live:
             return None
         shard = live[self._next % len(live)]
@@ -44,3 +47,20 @@ class LiveShardRouter:
             shard: [r for r in self._by_shard.pop(shard, []) if r in in_flight]
             for shard in newly_down
         }
+
+    def still_running(
+        self, shards: Iterable[int], in_flight: Container[str]
+    ) -> dict[int, list[str]]:
+        """The tracked requests of ``shards`` that have not finished (a drain waits on these)."""
+        return {
+            shard: [r for r in self._by_shard.get(shard, []) if r in in_flight]
+            for shard in sorted(set(shards))
+        }
+
+    def forget(self, shards: Iterable[int]) -> None:
+        """The shards are gone for good (scaled away): drop their tracking and states."""
+        gone = set(shards)
+        for shard in gone:
+            self._by_shard.pop(shard, None)
+        self.down = self.down - gone
+        self.leaving = self.leaving - gone

@@ -6,8 +6,8 @@ thread polls its task table in an endless native loop (``mooncake_worker_thread.
 ``while (running_) { PAUSE(); ... }``), one core per process whether or not a collective is in
 flight; on 2 cores a 2-rank cluster therefore sat at 2 cores doing nothing.
 
-The idle sleeper here handles both, the second only when asked
-(``SGLANG_EEP_IDLE_PARK_SPINNERS=1``; see ``park_spinners_enabled``). An idle rank polls its
+The idle sleeper here handles both (``SGLANG_EEP_IDLE_PARK_SPINNERS=0`` turns the second off;
+see ``park_spinners_enabled``). An idle rank polls its
 request sockets with a short timeout (``SGLANG_EEP_IDLE_POLL_MS``, default 5 ms) instead of
 upstream's 1 s (``--sleep-on-idle``): the receiving rank wakes at once and every other rank
 within one timeout, so the first request waits at most that long. With parking on, the
@@ -56,12 +56,11 @@ def idle_poll_ms() -> float:
 
 
 def park_spinners_enabled() -> bool:
-    """Off by default: with parking on, the first passes of a process that just joined (a
-    scale-up, a recovery) went wrong in 2 of 4 stall-hunt runs, and in 0 of 4 with it off.
-    A likely mechanism: Mooncake's worker resets a task slot only when it next sees the slot
-    idle, and a park right after a collective can keep it from seeing that before the slot is
-    reused."""
-    raw = os.environ.get(ENV_PARK_SPINNERS, "0").strip().lower()
+    """On by default. It was off for a while because joins went wrong with it on (2 of 4
+    stall-hunt runs); the cause turned out to be elsewhere (an idle membership step that ran on
+    the joiner but not the others, sglang/scale_progress.py) and with that fixed, parking on
+    gave 4 of 4 clean joins (benchmark/hunt_join_stalls.py)."""
+    raw = os.environ.get(ENV_PARK_SPINNERS, "1").strip().lower()
     if raw not in {"0", "1", "false", "true", "no", "yes"}:
         raise ValueError(f"{ENV_PARK_SPINNERS} must be 0 or 1, got {raw!r}")
     return raw in {"1", "true", "yes"}

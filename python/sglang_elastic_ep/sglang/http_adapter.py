@@ -1,7 +1,7 @@
 """Mounts the orchestrator contract on SGLang's FastAPI app (HTTP server process only).
 
 The control plane (operation ids, status, events, health) lives here; the engine underneath is
-SGLang's own tokenizer -> scheduler path. A scale-up is handed to upstream's
+SGLang's own tokenizer -> scheduler path. A scale (up or down) is handed to upstream's
 ``TokenizerManager.scale_elastic_ep``; a watcher mirrors the schedulers' phase (reported back to
 the tokenizer) into the operation until it commits or fails.
 """
@@ -59,35 +59,82 @@ def topology_from_args(
     return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica), ep_size
 
 
+LOST_TO_DRAIN_TIMEOUT = (
+    "the scale-down drained DP shard {shard} (EP ranks leaving) and this request was still "
+    "running after --elastic-ep-drain-timeout ({timeout:g} s); it was ended, nothing more "
+    "will be returned for it: retry the request"
+)
+
+
+def _abort_with_503(tokenizer_manager: Any, rids: list[str], message: str) -> None:
+    from sglang.srt.managers.io_struct import AbortReq
+
+    for rid in rids:
+        tokenizer_manager._handle_abort_req(AbortReq(
+            rid=rid, abort_message=message,
+            finished_reason={"type": "abort", "message": message, "status_code": 503},
+        ))
+
+
 class UpstreamEngine:
-    """Starts operations through SGLang's tokenizer manager and watches them to the end."""
+    """Starts operations through SGLang's tokenizer manager and watches them to the end.
+
+    A scale-up is upstream's. A scale-down first stops routing to the leaving shards (here, in
+    the tokenizer's router), then hands the request to the schedulers, which commit it once
+    the leaving shards hold no request (sglang/scale_down.py); requests still running there
+    after ``--elastic-ep-drain-timeout`` are ended with 503 and a message."""
 
     def __init__(self, tokenizer_manager: Any, plane_ref: list[InProcessControlPlane]) -> None:
         self._tm = tokenizer_manager
         self._plane_ref = plane_ref
         self._watchers: set[asyncio.Task[None]] = set()
 
+    def _leaving_shards(self, op: Operation) -> frozenset[int]:
+        replica = int(getattr(self._tm, "attn_replica_size", 1) or 1)
+        return frozenset(r // replica for r in range(op.new_ep_size, op.old_ep_size))
+
     async def __call__(self, op: Operation) -> None:
-        if op.kind is not OperationKind.SCALE_UP:
+        if op.kind not in (OperationKind.SCALE_UP, OperationKind.SCALE_DOWN):
             raise NotImplementedError(
                 f"{op.kind.value} is not available in this build of sglang-elastic-ep"
             )
         from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
 
+        leaving: frozenset[int] = frozenset()
+        if op.kind is OperationKind.SCALE_DOWN:
+            leaving = self._leaving_shards(op)
+            _router.leaving = leaving  # stop new work first
         result = await self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size))
         if not result.success:
+            _router.leaving = frozenset()
             raise RuntimeError(result.message)
-        task = asyncio.get_running_loop().create_task(self._watch(op))
+        task = asyncio.get_running_loop().create_task(self._watch(op, leaving))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
-    async def _watch(self, op: Operation) -> None:
+    def _end_drain_stragglers(self, leaving: frozenset[int]) -> int:
+        timeout = float(getattr(self._tm.server_args, "elastic_ep_drain_timeout", 120.0))
+        ended = 0
+        for shard, rids in _router.still_running(leaving, self._tm.rid_to_state).items():
+            _abort_with_503(self._tm, rids,
+                            LOST_TO_DRAIN_TIMEOUT.format(shard=shard, timeout=timeout))
+            ended += len(rids)
+        return ended
+
+    async def _watch(self, op: Operation, leaving: frozenset[int]) -> None:
         plane = self._plane_ref[0]
         operation_id = op.operation_id
+        drain_timeout = float(getattr(self._tm.server_args, "elastic_ep_drain_timeout", 120.0))
+        drain_deadline = time.monotonic() + drain_timeout if leaving else None
         last = None
         while True:
             state = self._tm.get_elastic_ep_state()
             phase = _UPSTREAM_PHASES.get(str(state.get("scale_phase")))
+            if drain_deadline is not None and time.monotonic() > drain_deadline:
+                drain_deadline = None  # once: what is left is ending
+                ended = self._end_drain_stragglers(leaving)
+                logger.warning("elastic EP: drain timeout (%g s) for shards %s: ended %d "
+                               "requests with 503", drain_timeout, sorted(leaving), ended)
             if phase is not None and phase != last and phase not in (Phase.IDLE,):
                 last = phase
                 if phase is Phase.SERVING_EXPANDED:
@@ -95,7 +142,12 @@ class UpstreamEngine:
                     plane.report_rank_joined(joined, operation_id=operation_id)
                     plane.finish_operation(operation_id)
                     return
+                if phase is Phase.SERVING_CONTRACTED:
+                    _router.forget(leaving)
+                    plane.finish_operation(operation_id)
+                    return
                 if phase is Phase.FAILED:
+                    _router.leaving = frozenset()
                     plane.finish_operation(operation_id, error=state.get("last_error") or "failed")
                     return
                 try:
@@ -103,6 +155,22 @@ class UpstreamEngine:
                 except Exception:  # an illegal jump in the mirror is not worth failing over
                     logger.debug("elastic EP: phase %s not recorded", phase, exc_info=True)
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+def apply_scale_update(original: Any, tokenizer_manager: Any, msg: Any) -> Any:
+    """AROUND ``TokenizerManager.forward_elastic_scale_update``: rank 0 reports a committed
+    scale-down with the smaller size. Upstream only grows (it would hand the DP controller a
+    negative slot count), so shrink the worker count and control fan-out here."""
+    tm = tokenizer_manager
+    replica = int(getattr(tm, "attn_replica_size", 1) or 1)
+    if not msg.success or msg.effective_ep_size >= tm.elastic_worker_count * replica:
+        return original(tm, msg)
+    tm.elastic_worker_count = msg.effective_ep_size // replica
+    tm.elastic_pending_ep_size = None
+    tm.elastic_scale_phase = Phase.SERVING_CONTRACTED.value
+    tm.elastic_last_error = None
+    tm.update_control_communicator_fan_out(tm.elastic_worker_count)
+    return None
 
 
 def mirror_active_ranks(result: Any, tokenizer_manager: Any, ranks: Any) -> None:
@@ -119,23 +187,18 @@ def mirror_active_ranks(result: Any, tokenizer_manager: Any, ranks: Any) -> None
         return
     _last_status = status
     replica = int(getattr(tokenizer_manager, "attn_replica_size", 1) or 1)
-    down_shards = {shard for shard, up in enumerate(status) if not up}
+    # Shards a scale-down is releasing go inactive on purpose: not a failure, nothing lost.
+    down_shards = {shard for shard, up in enumerate(status) if not up} - _router.leaving
     down = [shard * replica + i for shard in sorted(down_shards) for i in range(replica)]
     lost = _router.mark_down(down_shards, tokenizer_manager.rid_to_state)
     plane.observe_rank_liveness(
         down, reason="the rank stopped answering its peers (Mooncake/NIXL fault detection)"
     )
     if any(lost.values()):
-        from sglang.srt.managers.io_struct import AbortReq
-
         for shard, rids in lost.items():
             first, last = shard * replica, shard * replica + replica - 1
             message = LOST_WITH_SHARD.format(ranks=f"{first}..{last}" if last > first else first)
-            for rid in rids:
-                tokenizer_manager._handle_abort_req(AbortReq(
-                    rid=rid, abort_message=message,
-                    finished_reason={"type": "abort", "message": message, "status_code": 503},
-                ))
+            _abort_with_503(tokenizer_manager, rids, message)
             logger.warning("elastic EP: shard %d failed; ended %d running requests with 503",
                            shard, len(rids))
 

@@ -3,9 +3,15 @@
 Upstream advances a pending scale-up (cohort check, admission, commit) and rank recovery only at
 the end of a forward pass (``ModelRunner.maybe_join_ep_ranks``). An idle cluster runs no forward
 passes, so a POSTed scale-up waited until the next request arrived (minutes, on a quiet night).
-With DP attention every rank reaches ``Scheduler.on_idle`` on the same loop iteration (the
-token-count all-gather just told all of them that no rank has work), so calling the same step
-there keeps the collective membership calls aligned across ranks.
+
+Where the idle step runs matters. With DP attention every rank learns in the same loop
+iteration that no rank has work (the token-count all-gather inside
+``Scheduler.get_next_batch_to_run``), so "no batch this iteration" is the same on all ranks and
+the step's collectives line up. ``Scheduler.on_idle`` is not such a point: the overlap event
+loop skips it on the iteration right after a batch (it processes that batch's result instead).
+A process that just joined has no previous batch, so on the first idle iteration after a commit
+it ran the step while the others did not, and every rank's collective sequence was off by one
+from then on (a stall, or ``ValueError: 0 is not a valid ForwardMode``: docs/design.md).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.distributed as dist
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
 from sglang_elastic_ep.cpu.idle import parked_during_idle
+from sglang_elastic_ep.sglang.scale_down import finalize_scale_down, is_shrink, ready_to_shrink
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +37,23 @@ def _elastic_state() -> Any:
 
 
 def idle_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``Scheduler.on_idle``: on the CPU engine, Mooncake's spinning worker stays parked
-    through the idle housekeeping and sleep (cpu/idle.py); then the per-forward elastic step."""
+    """AROUND ``Scheduler.on_idle``: on the CPU engine, Mooncake's spinning worker stays
+    parked through the idle housekeeping and sleep (cpu/idle.py). No collective runs here."""
     with parked_during_idle(scheduler):
-        result = original(scheduler, *args, **kwargs)
-    progress_membership_when_idle(result, scheduler)
-    return result
+        return original(scheduler, *args, **kwargs)
 
 
-def progress_membership_when_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """After ``Scheduler.on_idle``: run the per-forward elastic step while a scale is pending."""
+def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``Scheduler.get_next_batch_to_run``: when no rank has a batch this iteration, run the
+    per-forward elastic step that a forward pass would have run (see the module docstring)."""
+    if getattr(plan, "batch_to_run", None) is not None:
+        return  # the forward pass calls maybe_join_ep_ranks itself
     from sglang.srt.runtime_context import get_parallel
 
     if not _lockstep_agreement_on(_elastic_state().instance(), get_parallel()):
         return
-    # Called on every idle pass (not only when this rank sees a scale): the agreement inside
-    # maybe_join_ep_ranks is a collective that every rank must enter on the same pass.
+    # Called on every idle iteration (not only when this rank sees a scale): the agreement
+    # inside maybe_join_ep_ranks is a collective that every rank must enter on the same pass.
     worker = getattr(scheduler, "tp_worker", None)
     runner = getattr(worker, "model_runner", None)
     if runner is None:
@@ -146,7 +154,7 @@ def _readiness_skew() -> ReadinessSkew:
 
 def agreed_join_step(original: Any, runner: Any) -> None:
     """AROUND ``ModelRunner.maybe_join_ep_ranks``: enter the membership step only on a pass where
-    every active rank is ready for the same scale (see
+    every active rank is ready for the same scale, up or down (see
     :func:`sglang_elastic_ep.core.agreement.lockstep_verdict`). Upstream let each rank decide
     from local checks (its copy of the request, the cohort key, Mooncake peer state), so under
     load one rank admitted the joiner while another ran the next MoE dispatch, and both hung."""
@@ -156,10 +164,17 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     if not _lockstep_agreement_on(state, get_parallel()):
         return original(runner)
     target = state.pending_ep_size or 0
-    ready = _readiness_skew().apply(_ready_target(state, target))
+    shrinking = is_shrink(state)
+    if shrinking:  # a scale-down: leaving ranks are ready once they hold no request
+        ready = ready_to_shrink(state, runner._elastic_global_rank())
+    else:
+        ready = _ready_target(state, target)
+    ready = _readiness_skew().apply(ready)
     reduced = torch.tensor([ready, -ready, target], dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
     if verdict is LockstepVerdict.WAIT:
         return None
+    if verdict is LockstepVerdict.ENTER and shrinking:
+        return finalize_scale_down(runner, target)
     return original(runner)

@@ -290,3 +290,16 @@ def test_mapping_load_and_plan_round_trip_through_replica_table() -> None:
     )
     table = replica_table(plan.placement, slots_per_rank=2)
     assert set(table.logical_to_physical) == {0, 1, 2, 3}
+
+
+def test_uncovered_experts_lists_what_the_staying_slots_lack_per_layer() -> None:
+    from sglang_elastic_ep.core.placement import uncovered_experts
+
+    # 3 ranks x 2 slots; layer 0: every expert also on ranks 0-1; layer 1: expert 3 only on 2.
+    p2l = [[0, 1, 2, 3, 0, 1], [0, 1, 2, 1, 3, 0]]
+    assert uncovered_experts(p2l, slots=4) == {1: [3]}
+    assert uncovered_experts(p2l, slots=6) == {}
+    assert uncovered_experts(p2l, slots=2) == {0: [2, 3], 1: [2, 3]}
+    assert uncovered_experts([[0, EMPTY, 1]], slots=1) == {0: [1]}
+    with pytest.raises(ValueError, match="slots"):
+        uncovered_experts(p2l, slots=-1)

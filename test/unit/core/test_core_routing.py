@@ -43,3 +43,16 @@ def test_is_recovery_join_contract() -> None:
 
     with pytest.raises(ValueError, match="separate operations"):
         is_recovery_join([1, 2], ever_active=range(2))
+
+
+def test_leaving_shards_get_no_new_requests_and_their_running_ones_are_known() -> None:
+    router = LiveShardRouter()
+    for rid, shard in (("a", 0), ("b", 2), ("c", 2)):
+        router.track(shard, rid, in_flight=set())
+    router.leaving = frozenset({2})
+    assert {router.pick(3) for _ in range(6)} == {0, 1}
+    assert router.still_running([2], in_flight={"a", "c"}) == {2: ["c"]}
+    assert router.still_running([2], in_flight={"a"}) == {2: []}
+    router.forget([2])
+    assert router.leaving == frozenset() and router.still_running([2], {"c"}) == {2: []}
+    assert [router.pick(2) for _ in range(2)] in ([0, 1], [1, 0])

@@ -1,0 +1,226 @@
+"""Scale-down on the scheduler side: tail ranks leave after their shards drained.
+
+Order (RFC "Scale-Down Flow", vLLM's lesson that experts move before ranks leave):
+
+1. The HTTP process stops routing new requests to the leaving shards and then sends the
+   request here (``handle_scale_request``). Every scheduler checks that each logical expert
+   keeps a replica on a staying rank; otherwise the request is refused and nothing changes.
+2. While the leaving shards still hold requests, every rank keeps serving: a leaving rank
+   reports itself ready only once its scheduler holds no request (the HTTP process ends the
+   stragglers after ``--elastic-ep-drain-timeout``).
+3. On the pass where every rank is ready (the lockstep agreement in ``scale_progress``), all
+   ranks run ``finalize_scale_down`` together: the expert location metadata shrinks to the
+   staying ranks' slots (each rank keeps its number of physical slots, so layouts stay valid),
+   the leaving ranks become inactive, Mooncake deactivates them in WORLD, DP attention shrinks,
+   and the NIXL data plane is told the new size (it disconnects at the next dispatch).
+4. A leaving rank then takes no further part in any collective. If its server is its own
+   process tree (a scale-up joiner, or a node above 0), it stops that server, which exits 0;
+   a rank inside node 0's process tree cannot exit without the whole server and parks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from sglang_elastic_ep.core.placement import uncovered_experts
+
+logger = logging.getLogger(__name__)
+
+_scheduler: Any = None  # this process's scheduler, for the drain check in the agreement step
+
+
+def _state_manager() -> Any:
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+
+    return ElasticEPStateManager
+
+
+def _physical_to_logical() -> Any:
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    metadata = get_global_expert_location_metadata()
+    return None if metadata is None else metadata.physical_to_logical_map
+
+
+def refusal(state: Any, new_ep_size: int) -> str | None:
+    """Why this scheduler cannot shrink to ``new_ep_size`` now; None when it can."""
+    from sglang.srt.elastic_ep.topology import attn_replica_size
+
+    old = state.effective_ep_size
+    if new_ep_size < 1:
+        return f"new_ep_size must be at least 1, got {new_ep_size}"
+    replica = attn_replica_size()
+    if new_ep_size % replica:
+        return (f"new_ep_size ({new_ep_size}) would split an attention replica of {replica} "
+                "ranks: choose a multiple of it")
+    if _state_manager().is_scaling():
+        return ("another scale or a recovery is in progress: wait until it finishes "
+                "(GET /elastic_ep/status), then retry")
+    p2l = _physical_to_logical()
+    if p2l is not None:
+        missing = uncovered_experts(p2l.tolist(), slots=(p2l.shape[1] // old) * new_ep_size)
+        if missing:
+            layer, experts = next(iter(missing.items()))
+            return (
+                f"cannot shrink from {old} to {new_ep_size} ranks: logical experts {experts} "
+                f"(layer {layer}) have no replica on ranks 0..{new_ep_size - 1}, and moving "
+                "expert weights between ranks is not built yet. Launch with "
+                "--ep-num-redundant-experts so every expert has a replica on the ranks that "
+                "stay, or shrink less"
+            )
+    return None
+
+
+def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
+    """AROUND ``Scheduler.handle_scale_elastic_ep``: a target below the effective size is a
+    scale-down (upstream refuses those); anything else is upstream's scale-up."""
+    global _scheduler
+    _scheduler = scheduler
+    manager = _state_manager()
+    state = manager.instance()
+    new = int(recv_req.new_ep_size)
+    if state is None or new >= state.effective_ep_size:
+        return original(scheduler, recv_req)
+    from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
+
+    old = state.effective_ep_size
+    error = refusal(state, new)
+    if error is not None:
+        return ScaleElasticEPReqOutput(success=False, message=error, old_ep_size=old,
+                                       new_ep_size=new, scale_phase=state.scale_phase)
+    state.pending_ep_size = new
+    state.scale_phase = "draining"
+    state.last_error = None
+    state.pending_since = time.monotonic()
+    eplb = scheduler.tp_worker.model_runner.eplb_manager
+    if eplb is not None:
+        eplb.disable_rebalance("elastic EP scale-down is pending")
+    logger.info("[elastic-ep] scale-down %d -> %d requested; ranks %s drain first",
+                old, new, list(range(new, old)))
+    return ScaleElasticEPReqOutput(
+        success=True, message=f"Scaling down from {old} to {new}: draining ranks {new}..{old - 1}",
+        old_ep_size=old, new_ep_size=new, pending_ep_size=new, scale_phase="draining",
+    )
+
+
+def holds_no_request(scheduler: Any) -> bool:
+    running = getattr(scheduler, "running_batch", None)
+    return (
+        (running is None or running.is_empty())
+        and not getattr(scheduler, "waiting_queue", None)
+        and getattr(scheduler, "chunked_req", None) is None
+    )
+
+
+def ready_to_shrink(state: Any, rank: int) -> int:
+    """The shrink target when this rank can enter the commit now, else 0: staying ranks at
+    once, a leaving rank once its scheduler holds no request."""
+    target = state.pending_ep_size or 0
+    if not target or rank < target:
+        return target
+    return target if _scheduler is not None and holds_no_request(_scheduler) else 0
+
+
+def finalize_scale_down(runner: Any, target: int) -> None:
+    """Every active rank, on the same agreed pass: switch placement, then let the tail go."""
+    from mooncake.pg import deactivate_ranks
+    from sglang.srt.eplb.expert_distribution import (
+        ExpertDistributionRecorder,
+        set_global_expert_distribution_recorder,
+    )
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        get_global_expert_location_metadata,
+        set_global_expert_location_metadata,
+    )
+    from sglang.srt.runtime_context import get_context
+
+    manager = _state_manager()
+    state = manager.instance()
+    old = state.effective_ep_size
+    rank = runner._elastic_global_rank()
+    leaving = list(range(target, old))
+    staying = rank < target
+    runner.forward_pass_id = 0
+
+    # 1. Experts: the staying ranks' slots already hold every logical expert (checked at the
+    # request); drop the leaving ranks' slots from the map on every staying rank.
+    state.scale_phase = "switching_placement"
+    metadata = get_global_expert_location_metadata()
+    if metadata is not None and staying:
+        slots = metadata.num_physical_experts // old
+        get_context().override("elastic_ep.scale_down", ep_size=target)
+        shrunk = ExpertLocationMetadata.init_by_mapping(
+            runner.model_config,
+            physical_to_logical_map=metadata.physical_to_logical_map[:, : slots * target].clone(),
+            moe_ep_rank=rank,
+        )
+        set_global_expert_location_metadata(shrunk, allow_overwrite=True)
+        set_global_expert_distribution_recorder(
+            ExpertDistributionRecorder.init_new(shrunk, rank=rank)
+        )
+
+    # 2. Ranks: inactive everywhere, then out of WORLD's collectives.
+    state.scale_phase = "releasing"
+    state.active_ranks[target:] = 0
+    state.snapshot_active_to_last()
+    state.sync_active_to_cpu()
+    deactivate_ranks(dist.group.WORLD, leaving)
+    state.effective_ep_size = target
+    state.pending_ep_size = None
+    state.pending_since = None
+    state.has_scaled = True
+    state.scale_phase = "serving_contracted" if staying else "released"
+    manager.on_scale(old, target)  # NIXL: disconnect the tail at the next dispatch
+
+    if not staying:
+        logger.info("[elastic-ep] rank %d left (scale-down %d -> %d)", rank, old, target)
+        _leave()
+        return
+
+    from sglang.srt.elastic_ep.elastic_ep import update_dp_attention_for_elastic_ep
+    from sglang.srt.elastic_ep.topology import attn_replica_size, physical_ep_size_to_dp_size
+
+    update_dp_attention_for_elastic_ep(physical_ep_size=target, physical_ep_rank=rank)
+    if runner.eplb_manager is not None:
+        runner.eplb_manager.reset_generator()
+        runner._rearm_eplb_after_elastic_scale()
+    if rank == 0:
+        from sglang.srt.managers.io_struct import ElasticScaleUpdateReq
+
+        runner._pending_elastic_scale_update = ElasticScaleUpdateReq(
+            success=True, effective_ep_size=target,
+            slot_offset=physical_ep_size_to_dp_size(target, attn_replica_size()), slot_count=0,
+        )
+        logger.info("[elastic-ep] Scale-down completed: old_ep_size=%d new_ep_size=%d "
+                    "released_ranks=%s", old, target, leaving)
+
+
+def _leave() -> None:
+    """A released rank takes part in no collective again. Its own server (a joiner, a node
+    above 0) is stopped with SIGTERM and exits 0; a rank inside node 0's server parks."""
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    own_server = bool(get_exec().moe.is_ep_joiner) or int(get_parallel().node_rank or 0) > 0
+    if own_server:
+        parent = os.getppid()
+        logger.info("[elastic-ep] stopping this rank's server (pid %d): safe to terminate",
+                    parent)
+        threading.Timer(0.5, os.kill, (parent, signal.SIGTERM)).start()
+    else:
+        logger.info("[elastic-ep] this rank shares node 0's server; it parks until the "
+                    "server stops")
+    while True:  # never return to the event loop (its next pass would run a collective)
+        time.sleep(3600)
+
+
+def is_shrink(state: Any) -> bool:
+    pending = state.pending_ep_size
+    return pending is not None and pending < state.effective_ep_size
