@@ -74,6 +74,11 @@ class ScaleAnswer:
     started: bool = False  # this request created a new running operation
 
 
+class EngineRefusal(ValueError):
+    """The engine checked the request against its own state (e.g. where experts live) and it
+    cannot be done: answered 422 with the message, and nothing changes."""
+
+
 @runtime_checkable
 class ControlPlane(Protocol):
     """What the HTTP adapters need from the engine side."""
@@ -188,8 +193,15 @@ class InProcessControlPlane:
         try:
             await self._engine(op)
         except Exception as exc:  # noqa: BLE001 - any engine failure fails the operation
-            logger.exception("elastic EP: engine refused operation %s", op.operation_id)
-            error = f"the engine could not start the operation: {type(exc).__name__}: {exc}"
+            refused = isinstance(exc, EngineRefusal)
+            if refused:  # the request itself cannot be done here: the client's to change
+                logger.warning("elastic EP: engine refused operation %s: %s",
+                               op.operation_id, exc)
+                error = f"the engine refused the operation: {exc}"
+            else:
+                logger.exception("elastic EP: engine failed to start operation %s",
+                                 op.operation_id)
+                error = f"the engine could not start the operation: {type(exc).__name__}: {exc}"
             self.finish_operation(op.operation_id, error=error)
             body = answer.response.model_copy(
                 update={
@@ -202,7 +214,8 @@ class InProcessControlPlane:
                     ),
                 }
             )
-            return ScaleAnswer(status=int(HTTPStatus.SERVICE_UNAVAILABLE), response=body)
+            status = HTTPStatus.UNPROCESSABLE_ENTITY if refused else HTTPStatus.SERVICE_UNAVAILABLE
+            return ScaleAnswer(status=int(status), response=body)
         return answer
 
     def status(self) -> StatusResponse:

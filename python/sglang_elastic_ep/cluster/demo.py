@@ -1,5 +1,6 @@
 """The README demo: a 2-rank EP cluster on CPU serving a steady stream of requests scales to 3
-ranks at runtime. Prints the phase timeline of the operation and where requests were served.
+ranks at runtime, then back to 2. Prints the phase timeline of both operations, which ranks
+became safe to terminate and when, and where requests were served.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model
 
 console = Console()
 OPERATION_ID = "demo-grow"
+SHRINK_ID = "demo-shrink"
 
 
 def prefill_batches(log: Path, shard: int) -> int:
@@ -27,27 +29,29 @@ def prefill_batches(log: Path, shard: int) -> int:
 
 
 def timeline(url: str, t0_wall: float) -> Table:
-    table = Table(title=f"operation {OPERATION_ID}: events (SSE)")
-    for col in ("t (s)", "event", "ranks", "detail"):
+    table = Table(title=f"operations {OPERATION_ID}, {SHRINK_ID}: events (SSE)")
+    for col in ("t (s)", "operation", "event", "ranks", "detail"):
         table.add_column(col)
     for event in sse_events(url):
-        if event.get("operation_id") != OPERATION_ID:
+        if event.get("operation_id") not in (OPERATION_ID, SHRINK_ID):
             continue
         detail = ""
         if event["type"] == "scale_committed":
             sizes = f"{event['old_ep_size']} -> {event['new_ep_size']}"
             detail = f"{sizes} in {event['duration_s']:.1f} s"
-        table.add_row(f"{event['time'] - t0_wall:6.1f}", event["type"],
+        table.add_row(f"{event['time'] - t0_wall:6.1f}", event["operation_id"], event["type"],
                       str(event.get("ranks", "")), detail)
     return table
 
 
-def phases(operation: dict, t0_wall: float) -> Table:
-    table = Table(title=f"operation {OPERATION_ID}: phases (GET /elastic_ep/status)")
-    table.add_column("t (s)")
-    table.add_column("phase")
-    for stamp in operation["phase_timestamps"]:
-        table.add_row(f"{stamp['at'] - t0_wall:6.1f}", stamp["phase"])
+def phases(operations: list[dict], t0_wall: float) -> Table:
+    table = Table(title="phases (GET /elastic_ep/status)")
+    for col in ("t (s)", "operation", "phase"):
+        table.add_column(col)
+    for operation in operations:
+        for stamp in operation["phase_timestamps"]:
+            table.add_row(f"{stamp['at'] - t0_wall:6.1f}", operation["operation_id"],
+                          stamp["phase"])
     return table
 
 
@@ -83,12 +87,27 @@ def main() -> None:
             console.print(f"operation {result['result']} in {result['duration_s']:.1f} s; "
                           f"serving with {status(url)['effective_ep_size']} ranks")
             time.sleep(args.seconds)
+            console.print(f"{len(load.snapshot())} requests so far; POSTing /scale_elastic_ep "
+                          "3 -> 2 (shard 2 drains, then rank 2 is released)")
+            resp = httpx.post(url + "/scale_elastic_ep",
+                              json={"new_ep_size": 2, "operation_id": SHRINK_ID}, timeout=60)
+            console.print(f"POST -> {resp.status_code}: {resp.json()['message']}")
+            shrink = wait_operation(url, SHRINK_ID, 600)
+            after = status(url)
+            safe = after["safe_to_terminate_ranks"]
+            console.print(f"operation {shrink['result']} in {shrink['duration_s']:.1f} s; "
+                          f"serving with {after['effective_ep_size']} ranks; "
+                          f"[bold]safe to terminate: ranks {safe}[/]")
+            exit_code = joiner.wait_exit(60)
+            console.print(f"the joiner's server (rank 2) exited by itself with code {exit_code}")
+            time.sleep(args.seconds)
         results = load.snapshot()
         batches = prefill_batches(joiner.log_path, 2)
-        console.print(phases(result, t0_wall))
+        console.print(phases([result, shrink], t0_wall))
         console.print(timeline(url, t0_wall))
         console.print(summary(results, batches))
-        if result["result"] != "succeeded" or not all(r.ok for r in results) or batches == 0:
+        ok = result["result"] == shrink["result"] == "succeeded" and exit_code == 0
+        if not ok or not all(r.ok for r in results) or batches == 0:
             raise SystemExit(1)
 
 

@@ -138,6 +138,13 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """The exit code once the server exits by itself (a released rank); None on timeout."""
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             text = self.log_path.read_text(errors="replace").splitlines()

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+from sglang_elastic_ep.api.control_plane import EngineRefusal, InProcessControlPlane
 from sglang_elastic_ep.core.api_models import OperationKind
 from sglang_elastic_ep.core.operations import Operation
 from sglang_elastic_ep.core.phases import Phase
@@ -107,6 +107,8 @@ class UpstreamEngine:
         result = await self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size))
         if not result.success:
             _router.leaving = frozenset()
+            if op.kind is OperationKind.SCALE_DOWN:
+                raise EngineRefusal(result.message)
             raise RuntimeError(result.message)
         task = asyncio.get_running_loop().create_task(self._watch(op, leaving))
         self._watchers.add(task)
@@ -121,20 +123,43 @@ class UpstreamEngine:
             ended += len(rids)
         return ended
 
+    async def _confirm_drain(self, op: Operation) -> None:
+        """Every request routed to a leaving shard has ended: say so to the schedulers (the
+        same request again, past upstream's pending check), so a leaving rank can commit."""
+        from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
+
+        answers = await self._tm.scale_elastic_ep_communicator(
+            ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)
+        )
+        refused = [a.message for a in answers if not a.success]
+        if refused:
+            raise RuntimeError(f"drain confirmation refused: {refused[0]}")
+
     async def _watch(self, op: Operation, leaving: frozenset[int]) -> None:
         plane = self._plane_ref[0]
         operation_id = op.operation_id
         drain_timeout = float(getattr(self._tm.server_args, "elastic_ep_drain_timeout", 120.0))
         drain_deadline = time.monotonic() + drain_timeout if leaving else None
+        draining = bool(leaving)
         last = None
         while True:
             state = self._tm.get_elastic_ep_state()
             phase = _UPSTREAM_PHASES.get(str(state.get("scale_phase")))
-            if drain_deadline is not None and time.monotonic() > drain_deadline:
-                drain_deadline = None  # once: what is left is ending
-                ended = self._end_drain_stragglers(leaving)
-                logger.warning("elastic EP: drain timeout (%g s) for shards %s: ended %d "
-                               "requests with 503", drain_timeout, sorted(leaving), ended)
+            if draining:
+                running = _router.still_running(leaving, self._tm.rid_to_state)
+                if not any(running.values()):
+                    draining = False
+                    try:
+                        await self._confirm_drain(op)
+                    except Exception as exc:  # the schedulers never commit without it
+                        _router.leaving = frozenset()
+                        plane.finish_operation(operation_id, error=str(exc))
+                        return
+                elif drain_deadline is not None and time.monotonic() > drain_deadline:
+                    drain_deadline = None  # once; the ended requests then leave rid_to_state
+                    ended = self._end_drain_stragglers(leaving)
+                    logger.warning("elastic EP: drain timeout (%g s) for shards %s: ended %d "
+                                   "requests with 503", drain_timeout, sorted(leaving), ended)
             if phase is not None and phase != last and phase not in (Phase.IDLE,):
                 last = phase
                 if phase is Phase.SERVING_EXPANDED:
@@ -207,11 +232,15 @@ def route_to_live_shard(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: 
     """BEFORE ``TokenizerManager._dispatch_to_scheduler``: a generate request not pinned to a
     shard goes round-robin to a live shard chosen here (upstream's DP controller would pick
     the same way), so the tokenizer knows which requests a shard holds if it dies."""
-    if _plane is None or getattr(obj, "routed_dp_rank", 0) is not None:
+    if _plane is None:
         return
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 
     if not isinstance(obj, TokenizedGenerateReqInput):
+        return
+    pinned = getattr(obj, "routed_dp_rank", None)
+    if pinned is not None:  # the client chose the shard: keep it, but know it (drain, faults)
+        _router.track(int(pinned), obj.rid, tokenizer_manager.rid_to_state)
         return
     shard = _router.pick(int(getattr(tokenizer_manager, "elastic_worker_count", 0) or 0))
     if shard is None:

@@ -5,9 +5,11 @@ Order (RFC "Scale-Down Flow", vLLM's lesson that experts move before ranks leave
 1. The HTTP process stops routing new requests to the leaving shards and then sends the
    request here (``handle_scale_request``). Every scheduler checks that each logical expert
    keeps a replica on a staying rank; otherwise the request is refused and nothing changes.
-2. While the leaving shards still hold requests, every rank keeps serving: a leaving rank
-   reports itself ready only once its scheduler holds no request (the HTTP process ends the
-   stragglers after ``--elastic-ep-drain-timeout``).
+2. While the leaving shards still hold requests, every rank keeps serving. When every request
+   the HTTP process routed to them has ended (it ends stragglers after
+   ``--elastic-ep-drain-timeout`` with a clear error), it sends the same request again: the
+   drain is confirmed. A leaving rank reports itself ready once the drain is confirmed and its
+   scheduler holds no request (so no request can still be on its way to it).
 3. On the pass where every rank is ready (the lockstep agreement in ``scale_progress``), all
    ranks run ``finalize_scale_down`` together: the expert location metadata shrinks to the
    staying ranks' slots (each rank keeps its number of physical slots, so layouts stay valid),
@@ -34,6 +36,7 @@ from sglang_elastic_ep.core.placement import uncovered_experts
 logger = logging.getLogger(__name__)
 
 _scheduler: Any = None  # this process's scheduler, for the drain check in the agreement step
+_drain_confirmed = False  # the HTTP process saw every request it routed to leaving shards end
 
 
 def _state_manager() -> Any:
@@ -91,10 +94,20 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
 
     old = state.effective_ep_size
+    global _drain_confirmed
+    if state.pending_ep_size == new and state.scale_phase == "draining":
+        # The HTTP process's second message: every request it routed to the leaving shards
+        # has finished (or was ended at the drain timeout), so none is still on its way here.
+        _drain_confirmed = True
+        return ScaleElasticEPReqOutput(
+            success=True, message=f"drain of ranks {new}..{old - 1} confirmed",
+            old_ep_size=old, new_ep_size=new, pending_ep_size=new, scale_phase="draining",
+        )
     error = refusal(state, new)
     if error is not None:
         return ScaleElasticEPReqOutput(success=False, message=error, old_ep_size=old,
                                        new_ep_size=new, scale_phase=state.scale_phase)
+    _drain_confirmed = False
     state.pending_ep_size = new
     state.scale_phase = "draining"
     state.last_error = None
@@ -121,11 +134,13 @@ def holds_no_request(scheduler: Any) -> bool:
 
 def ready_to_shrink(state: Any, rank: int) -> int:
     """The shrink target when this rank can enter the commit now, else 0: staying ranks at
-    once, a leaving rank once its scheduler holds no request."""
+    once, a leaving rank once the HTTP process confirmed the drain (no request of its is on
+    the way) and its scheduler holds no request."""
     target = state.pending_ep_size or 0
     if not target or rank < target:
         return target
-    return target if _scheduler is not None and holds_no_request(_scheduler) else 0
+    drained = _drain_confirmed and _scheduler is not None and holds_no_request(_scheduler)
+    return target if drained else 0
 
 
 def finalize_scale_down(runner: Any, target: int) -> None:
@@ -178,6 +193,12 @@ def finalize_scale_down(runner: Any, target: int) -> None:
     state.pending_since = None
     state.has_scaled = True
     state.scale_phase = "serving_contracted" if staying else "released"
+    if manager._on_scale is not None:  # the NIXL data plane (upstream sets it for nixl only)
+        from sglang_elastic_ep.sglang.nixl_buffer_hooks import mark_ranks_drained
+
+        # Agreed this pass: the leaving ranks hold no request, and every rank finished its
+        # last dispatch and combine before entering, so no token is in flight to them.
+        mark_ranks_drained(leaving)
     manager.on_scale(old, target)  # NIXL: disconnect the tail at the next dispatch
 
     if not staying:

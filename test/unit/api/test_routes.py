@@ -394,6 +394,22 @@ def test_engine_that_cannot_start_gives_503_and_records_the_failure(
     assert post(client, {"new_ep_size": 4, "operation_id": "op-503b"}).status_code == 200
 
 
+def test_engine_refusal_gives_422_with_its_reason_and_changes_nothing(
+    client: TestClient, plane: InProcessControlPlane, engine: FakeEngine
+) -> None:
+    from sglang_elastic_ep.api.control_plane import EngineRefusal
+
+    engine.fail = EngineRefusal("logical experts [3] have no replica on ranks 0..0")
+    response = post(client, {"new_ep_size": 1, "operation_id": "shrink-1"})
+    assert response.status_code == 422
+    body = response.json()
+    assert body["accepted"] is False and "no replica on ranks 0..0" in body["message"]
+    assert "refused" in body["message"]
+    status = client.get("/elastic_ep/status").json()
+    assert status["effective_ep_size"] == 2 and status["current_operation"] is None
+    assert status["safe_to_terminate_ranks"] == [] and status["ranks"][1]["state"] == "active"
+
+
 def test_removing_the_failed_tail_rank_is_allowed() -> None:
     plane = make_plane(engine=FakeEngine(), initial=4)
     client = TestClient(make_app(plane))

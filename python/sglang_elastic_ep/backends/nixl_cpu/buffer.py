@@ -185,11 +185,22 @@ def _nixl_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+WITHDRAWN = b""  # a rank's handshake key once its handshake is over
+
+
 class _Backoff:
-    """Spin briefly, then yield, then sleep up to 1 ms (2 cores are shared by all ranks)."""
+    """Spin briefly, then yield, then sleep up to 1 ms (2 cores are shared by all ranks); a
+    wait that has lasted long sleeps longer still. A peer that late is starved or starting up
+    (a joiner's first passes after a scale-up take tens of seconds on a loaded 2-core
+    machine), and every millisecond this rank polls is taken from it: with the waiting ranks
+    polling every 1 ms, a joiner was evicted by Mooncake's heartbeat timeout."""
+
+    LONG_WAIT_S = 0.05
+    VERY_LONG_WAIT_S = 1.0
 
     def __init__(self) -> None:
         self.n = 0
+        self.start = time.monotonic()
 
     def __call__(self) -> None:
         self.n += 1
@@ -197,6 +208,12 @@ class _Backoff:
             return
         if self.n < 32:
             time.sleep(0)
+            return
+        waited = time.monotonic() - self.start
+        if waited >= self.VERY_LONG_WAIT_S:
+            time.sleep(10e-3)
+        elif waited >= self.LONG_WAIT_S:
+            time.sleep(2e-3)
         else:
             time.sleep(min(1e-3, 2e-5 * (self.n - 31)))
 
@@ -542,10 +559,14 @@ class Buffer:
         try:
             self._handshake(store, ranks, time.monotonic() + self.connect_timeout_s)
         finally:
+            # Withdrawn with an empty value, never deleted: a peer that saw the key in
+            # ``check`` and then calls ``get`` would block forever on a deleted key
+            # (TCPStore.get waits for missing keys). Seen: a joiner hung in its first
+            # dispatch right after the others finished their handshake with it.
             try:
-                store.delete_key(my_key)
+                store.set(my_key, WITHDRAWN)
             except Exception as exc:  # noqa: BLE001 - the store may be going away
-                logger.debug("delete_key(%s): %s", my_key, exc)
+                logger.debug("withdraw %s: %s", my_key, exc)
         for r in ranks:
             peer = self._peers[r]
             peer.masked = not activate
@@ -571,8 +592,9 @@ class Buffer:
                 if r not in acked and now - last_read.get(r, -1e9) >= every:
                     last_read[r] = now
                     key = self._store_key(r)
-                    if store.check([key]):
-                        info = pickle.loads(store.get(key))
+                    raw = store.get(key) if store.check([key]) else WITHDRAWN
+                    if raw != WITHDRAWN:
+                        info = pickle.loads(raw)
                         if loaded.get(r) != info["agent"]:
                             loaded[r] = self._load_peer(r, info).agent
                             sent.pop(r, None)

@@ -1,0 +1,111 @@
+"""Runtime scale-down on the CPU cluster under steady load (NIXL EP data plane): 2 -> 3 -> 2 -> 3.
+
+One cluster, chained (starting a cluster costs a minute on 2 cores):
+
+1. 2 -> 1 is refused with 422 before anything changes: half of the logical experts live only on
+   rank 1, and moving expert weights is not built (the message says so and what to do).
+2. 2 -> 3 with a joiner (scale-up, covered in detail by test_scale_up.py).
+3. 3 -> 2 under load: the router stops sending to shard 2, shard 2 drains, every rank commits
+   on one agreed pass; a long request running there finishes normally first, and a second
+   scale request meanwhile gets 409. Then the status shows
+   ``serving_contracted``, rank 2 ``safe_to_terminate``; the SSE stream carries the operation's
+   events; the joiner's server exits by itself with code 0.
+4. 2 -> 3 again with a new joiner in the freed slot.
+
+Throughout: no request fails, and the fixed prompts decode to the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep.cluster.load import greedy_reference
+from sglang_elastic_ep.cluster.observe import sse_events, wait_operation
+from sglang_elastic_ep.cluster.observe import status as read_status
+
+SCALE_TIMEOUT_S = 420
+EXIT_TIMEOUT_S = 60
+
+
+def scale(url: str, size: int, operation_id: str) -> httpx.Response:
+    return httpx.post(url + "/scale_elastic_ep",
+                      json={"new_ep_size": size, "operation_id": operation_id}, timeout=60)
+
+
+def grow_to_3(cluster: LocalCluster, operation_id: str) -> None:
+    cluster.start_joiner("scale", rank_offset=2)
+    resp = scale(cluster.url, 3, operation_id)
+    assert resp.status_code == 200, resp.text
+    wait_operation(cluster.url, operation_id, SCALE_TIMEOUT_S)
+    status = read_status(cluster.url)
+    assert status["effective_ep_size"] == 3, status
+    assert status["recent_operations"][0]["result"] == "succeeded", status
+
+
+@pytest.mark.timeout(1500)
+def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
+    spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
+                       extra_args=["--elastic-ep-drain-timeout", "60"])
+    with LocalCluster(spec) as cluster:
+        url = cluster.url
+        reference = greedy_reference(url)
+
+        refused = scale(url, 1, "shrink-to-1")
+        assert refused.status_code == 422, refused.text
+        assert "no replica on ranks 0..0" in refused.json()["message"], refused.text
+        after_refusal = read_status(url)
+        assert after_refusal["effective_ep_size"] == 2, after_refusal
+        assert after_refusal["safe_to_terminate_ranks"] == [], after_refusal
+
+        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+        try:
+            grow_to_3(cluster, "grow-to-3")
+            joiner = cluster.joiners[-1]
+            time.sleep(3.0)  # load on three shards
+
+            # A long request running on shard 2: the drain must wait for it to finish.
+            with ThreadPoolExecutor(1) as pool:
+                long_request = pool.submit(
+                    httpx.post, url + "/generate", timeout=300,
+                    json={"text": "a long answer", "routed_dp_rank": 2,
+                          "sampling_params": {"max_new_tokens": 48, "temperature": 0,
+                                              "ignore_eos": True}},
+                )
+                time.sleep(1.0)
+                shrink = scale(url, 2, "shrink-to-2")
+                assert shrink.status_code == 200, shrink.text
+                assert shrink.json()["phase"] == "draining", shrink.text
+                conflict = scale(url, 3, "too-early")
+                assert conflict.status_code == 409, conflict.text
+                drained = long_request.result()
+            assert drained.status_code == 200, drained.text
+            assert drained.json()["meta_info"]["completion_tokens"] == 48, drained.text
+            wait_operation(url, "shrink-to-2", SCALE_TIMEOUT_S)
+            status = read_status(url)
+            assert status["effective_ep_size"] == 2, status
+            assert status["phase"] == "serving_contracted", status
+            assert status["recent_operations"][0]["result"] == "succeeded", status
+            assert [r["state"] for r in status["ranks"][:3]] == [
+                "active", "active", "safe_to_terminate"
+            ], status
+            assert joiner.wait_exit(EXIT_TIMEOUT_S) == 0, joiner.log_tail()
+            time.sleep(3.0)  # load on two shards again
+
+            grow_to_3(cluster, "grow-again")
+            time.sleep(3.0)
+        finally:
+            results = load.stop()
+
+        failed = [r for r in results if not r.ok]
+        assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+        changed = [r for r in results if r.output_ids != reference[r.prompt]]
+        assert not changed, f"outputs changed: {changed[:3]}"
+        assert greedy_reference(url) == reference
+        types = [e["type"] for e in sse_events(url) if e.get("operation_id") == "shrink-to-2"]
+        assert types == ["scale_requested", "scale_committed", "safe_to_terminate"], types

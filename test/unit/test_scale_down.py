@@ -1,0 +1,82 @@
+"""Scheduler-side scale-down decisions that need no cluster: who is ready, and the idle step's
+place in the loop."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_elastic_ep.sglang import scale_down
+from sglang_elastic_ep.sglang.scale_down import holds_no_request, is_shrink, ready_to_shrink
+
+
+class Batch:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def is_empty(self) -> bool:
+        return self.size == 0
+
+
+def scheduler(running: int = 0, waiting: int = 0, chunked: object = None) -> SimpleNamespace:
+    return SimpleNamespace(running_batch=Batch(running), waiting_queue=[object()] * waiting,
+                           chunked_req=chunked)
+
+
+@pytest.fixture(autouse=True)
+def fresh_module_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scale_down, "_scheduler", None)
+    monkeypatch.setattr(scale_down, "_drain_confirmed", False)
+
+
+def test_a_scheduler_holds_no_request_only_when_nothing_runs_waits_or_is_chunked() -> None:
+    assert holds_no_request(scheduler())
+    assert not holds_no_request(scheduler(running=1))
+    assert not holds_no_request(scheduler(waiting=2))
+    assert not holds_no_request(scheduler(chunked=object()))
+
+
+def test_staying_ranks_are_ready_at_once_leaving_ones_after_a_confirmed_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = SimpleNamespace(pending_ep_size=2, effective_ep_size=3)
+    assert is_shrink(state)
+    assert ready_to_shrink(state, rank=0) == 2 and ready_to_shrink(state, rank=1) == 2
+    # Leaving rank 2: empty scheduler, but the HTTP process has not confirmed the drain (a
+    # request it routed there may still be on its way).
+    monkeypatch.setattr(scale_down, "_scheduler", scheduler())
+    assert ready_to_shrink(state, rank=2) == 0
+    monkeypatch.setattr(scale_down, "_drain_confirmed", True)
+    assert ready_to_shrink(state, rank=2) == 2
+    monkeypatch.setattr(scale_down, "_scheduler", scheduler(running=1))
+    assert ready_to_shrink(state, rank=2) == 0  # confirmed, but still finishing one
+
+
+def test_no_shrink_pending_means_nothing_to_be_ready_for() -> None:
+    assert not is_shrink(SimpleNamespace(pending_ep_size=None, effective_ep_size=3))
+    assert not is_shrink(SimpleNamespace(pending_ep_size=4, effective_ep_size=3))  # a scale-up
+    assert ready_to_shrink(SimpleNamespace(pending_ep_size=None, effective_ep_size=3), 2) == 0
+
+
+def test_the_idle_step_runs_only_when_no_rank_has_a_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It follows get_next_batch_to_run, whose answer the DP-attention all-gather makes the same
+    on every rank (on_idle is skipped by the overlap loop right after a batch)."""
+    from sglang_elastic_ep.sglang import scale_progress
+
+    calls: list[str] = []
+    runner = SimpleNamespace(maybe_join_ep_ranks=lambda: calls.append("step"))
+    sched = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner),
+                            _maybe_report_active_ranks=lambda: calls.append("report"))
+    monkeypatch.setattr(scale_progress, "_elastic_state",
+                        lambda: SimpleNamespace(instance=lambda: object()))
+    monkeypatch.setattr(scale_progress, "_lockstep_agreement_on", lambda state, parallel: True)
+    import sglang.srt.runtime_context as runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: object())
+    scale_progress.progress_membership_when_idle(SimpleNamespace(batch_to_run=object()), sched)
+    assert calls == []
+    scale_progress.progress_membership_when_idle(SimpleNamespace(batch_to_run=None), sched)
+    assert calls == ["step", "report"]
