@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 from sglang_elastic_ep.sglang.http_adapter import topology_from_args
@@ -47,3 +48,41 @@ def test_liveness_reports_act_only_on_a_change(monkeypatch) -> None:
     assert [e.type for e in plane.events.since(0).events] == ["rank_failed", "recovery_required"]
     http_adapter.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
     assert plane.events.since(0).events[-1].type == "rank_recovered"
+
+
+def test_a_leaving_shard_going_inactive_is_no_failure_and_drain_stragglers_end_with_503(
+    monkeypatch,
+) -> None:
+    """During a scale-down 3 -> 2 the released shard 2 reports inactive: no rank_failed, and
+    nothing it ran counts as lost. Requests still running there at the drain timeout end with
+    503 and a reason; finished ones are left alone."""
+    from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+    from sglang_elastic_ep.core.api_models import ScaleRequest
+    from sglang_elastic_ep.core.validation import ScaleTopology
+    from sglang_elastic_ep.sglang import http_adapter
+
+    plane = InProcessControlPlane(
+        topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=3
+    )
+    asyncio.run(plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="shrink")))
+    router = http_adapter.LiveShardRouter()
+    monkeypatch.setattr(http_adapter, "_plane", plane)
+    monkeypatch.setattr(http_adapter, "_last_status", None)
+    monkeypatch.setattr(http_adapter, "_router", router)
+    aborted: list[object] = []
+    tm = SimpleNamespace(attn_replica_size=1, rid_to_state={"slow": object()},
+                         server_args=SimpleNamespace(elastic_ep_drain_timeout=7.0),
+                         _handle_abort_req=aborted.append)
+    router.track(2, "done", tm.rid_to_state)
+    router.track(2, "slow", tm.rid_to_state)
+    router.leaving = frozenset({2})
+
+    http_adapter.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
+    assert [e.type for e in plane.events.since(0).events] == ["scale_requested"]
+    assert aborted == []
+
+    engine = http_adapter.UpstreamEngine(tm, [plane])
+    assert engine._end_drain_stragglers(frozenset({2})) == 1
+    (abort,) = aborted
+    assert abort.rid == "slow" and abort.finished_reason["status_code"] == 503
+    assert "--elastic-ep-drain-timeout (7 s)" in abort.abort_message
