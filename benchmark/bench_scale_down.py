@@ -38,6 +38,7 @@ def run(steady_s: float) -> dict[str, float]:
             post_scale(url, 3, "bench-grow")
             if wait_operation(url, "bench-grow", 420)["result"] != "succeeded":
                 raise RuntimeError("scale-up 2 -> 3 failed")
+            time.sleep(steady_s)  # the joiner's first passes (NIXL handshakes) settle first
             t_steady = time.monotonic()
             time.sleep(steady_s)
             t_post = time.monotonic()
@@ -75,7 +76,8 @@ def main() -> None:
         *seconds_table(
             "Runtime scale-down 3 -> 2 under load (issue: scale-down, item 9)",
             "A 2-rank primary grown to 3 by a joiner (`--moe-a2a-backend nixl`), 2 concurrent "
-            "clients sending 8-token greedy requests back to back; then `new_ep_size: 2`.",
+            "clients sending 8-token greedy requests back to back; after the scale-up has "
+            "settled (`--steady-seconds`), the steady window, then `new_ep_size: 2`.",
         ),
         f"| POST -> `safe_to_terminate` for rank 2 (operation committed) | "
         f"{r['post_to_safe_s']:.1f} |",

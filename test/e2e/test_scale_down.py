@@ -10,13 +10,18 @@ One cluster, chained (starting a cluster costs a minute on 2 cores):
    scale request meanwhile gets 409. Then the status shows
    ``serving_contracted``, rank 2 ``safe_to_terminate``; the SSE stream carries the operation's
    events; the joiner's server exits by itself with code 0.
-4. 2 -> 3 again with a new joiner in the freed slot.
+4. 2 -> 3 again with a new joiner in the freed slot, through the orchestrator CLI
+   (``sglang-eep scale --wait``, exit 0) while ``sglang-eep events --follow`` prints the
+   operation's events live.
 
 Throughout: no request fails, and the fixed prompts decode to the same tokens.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +35,7 @@ from sglang_elastic_ep.cluster.observe import sse_events, wait_operation
 from sglang_elastic_ep.cluster.observe import status as read_status
 
 SCALE_TIMEOUT_S = 420
+CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
 EXIT_TIMEOUT_S = 60
 
 
@@ -64,6 +70,7 @@ def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
         assert after_refusal["safe_to_terminate_ranks"] == [], after_refusal
 
         load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+        follower: subprocess.Popen[str] | None = None
         try:
             grow_to_3(cluster, "grow-to-3")
             joiner = cluster.joiners[-1]
@@ -97,10 +104,27 @@ def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
             assert joiner.wait_exit(EXIT_TIMEOUT_S) == 0, joiner.log_tail()
             time.sleep(3.0)  # load on two shards again
 
-            grow_to_3(cluster, "grow-again")
+            # Grow again into the freed slot, driven by the orchestrator CLI this time, with a
+            # live event follower beside it.
+            follower = subprocess.Popen(
+                [*CLI, "events", "--url", url, "--follow", "--json", "--max-events", "3"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            time.sleep(3.0)  # the follower is connected and past the backlog
+            cluster.start_joiner("scale", rank_offset=2)
+            grow = subprocess.run(
+                [*CLI, "scale", "--url", url, "--to", "3", "--wait", "--operation-id",
+                 "grow-again", "--timeout", str(SCALE_TIMEOUT_S), "--http-timeout", "60"],
+                capture_output=True, text=True, timeout=SCALE_TIMEOUT_S + 60,
+            )
+            assert grow.returncode == 0, (grow.returncode, grow.stdout, grow.stderr)
+            followed, _ = follower.communicate(timeout=60)
+            assert follower.returncode == 0, followed
             time.sleep(3.0)
         finally:
             results = load.stop()
+            if follower is not None and follower.poll() is None:
+                follower.kill()
 
         failed = [r for r in results if not r.ok]
         assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
@@ -109,3 +133,9 @@ def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
         assert greedy_reference(url) == reference
         types = [e["type"] for e in sse_events(url) if e.get("operation_id") == "shrink-to-2"]
         assert types == ["scale_requested", "scale_committed", "safe_to_terminate"], types
+        live = [json.loads(line) for line in followed.splitlines() if line.startswith("{")]
+        assert [(e["type"], e["operation_id"]) for e in live] == [
+            ("scale_requested", "grow-again"), ("rank_joined", "grow-again"),
+            ("scale_committed", "grow-again"),
+        ], followed
+        assert read_status(url)["effective_ep_size"] == 3

@@ -55,8 +55,16 @@ def _physical_to_logical() -> Any:
 def refusal(state: Any, new_ep_size: int) -> str | None:
     """Why this scheduler cannot shrink to ``new_ep_size`` now; None when it can."""
     from sglang.srt.elastic_ep.topology import attn_replica_size
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_elastic_ep.sglang.scale_progress import _lockstep_agreement_on
 
     old = state.effective_ep_size
+    if not _lockstep_agreement_on(state, get_parallel()):
+        # Without the per-pass agreement the ranks could commit on different passes.
+        return ("scale-down needs the per-pass rank agreement, which this build runs only "
+                "where membership state is in host memory (the CPU engine) and with room to "
+                "grow (--max-ep-size above the launch size); not available on this deployment")
     if new_ep_size < 1:
         return f"new_ep_size must be at least 1, got {new_ep_size}"
     replica = attn_replica_size()
