@@ -15,9 +15,9 @@ Order (RFC "Scale-Down Flow", vLLM's lesson that experts move before ranks leave
    staying ranks' slots (each rank keeps its number of physical slots, so layouts stay valid),
    the leaving ranks become inactive, Mooncake deactivates them in WORLD, DP attention shrinks,
    and the NIXL data plane is told the new size (it disconnects at the next dispatch).
-4. A leaving rank then takes no further part in any collective. If its server is its own
-   process tree (a scale-up joiner, or a node above 0), it stops that server, which exits 0;
-   a rank inside node 0's process tree cannot exit without the whole server and parks.
+4. A leaving rank then takes no further part in any collective. When every rank of its
+   ``launch_server`` tree leaves (a scale-up joiner, a node above 0), it stops that server,
+   which exits 0; a rank whose server keeps other ranks (node 0's tree) parks.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def finalize_scale_down(runner: Any, target: int) -> None:
 
     if not staying:
         logger.info("[elastic-ep] rank %d left (scale-down %d -> %d)", rank, old, target)
-        _leave()
+        _leave(target)
         return
 
     from sglang.srt.elastic_ep.elastic_ep import update_dp_attention_for_elastic_ep
@@ -232,20 +232,33 @@ def finalize_scale_down(runner: Any, target: int) -> None:
                     "released_ranks=%s", old, target, leaving)
 
 
-def _leave() -> None:
-    """A released rank takes part in no collective again. Its own server (a joiner, a node
-    above 0) is stopped with SIGTERM and exits 0; a rank inside node 0's server parks."""
+def first_rank_of_server(*, is_joiner: bool, join_offset: int, node_rank: int,
+                         ranks_per_node: int) -> int:
+    """The lowest EP rank served by this process's ``launch_server`` tree."""
+    return join_offset if is_joiner else node_rank * ranks_per_node
+
+
+def _leave(target: int) -> None:
+    """A released rank takes part in no collective again. When every rank of its server
+    leaves (a scale-up joiner, a node above 0), the server is stopped with SIGTERM and exits 0;
+    otherwise (node 0's tree, or a server that keeps some ranks) the rank parks."""
     from sglang.srt.runtime_context import get_exec, get_parallel
 
-    own_server = bool(get_exec().moe.is_ep_joiner) or int(get_parallel().node_rank or 0) > 0
-    if own_server:
+    parallel = get_parallel()
+    nnodes = max(1, int(getattr(parallel, "nnodes", 1) or 1))
+    first = first_rank_of_server(
+        is_joiner=bool(get_exec().moe.is_ep_joiner),
+        join_offset=int(parallel.ep_join_rank_offset or 0),
+        node_rank=int(parallel.node_rank or 0),
+        ranks_per_node=int(parallel.tp_size) // nnodes,
+    )
+    if first >= target and first > 0:
         parent = os.getppid()
-        logger.info("[elastic-ep] stopping this rank's server (pid %d): safe to terminate",
-                    parent)
+        logger.info("[elastic-ep] every rank of this server leaves: stopping it (pid %d)", parent)
         threading.Timer(0.5, os.kill, (parent, signal.SIGTERM)).start()
     else:
-        logger.info("[elastic-ep] this rank shares node 0's server; it parks until the "
-                    "server stops")
+        logger.info("[elastic-ep] this server keeps other ranks; the released rank parks until "
+                    "the server stops")
     while True:  # never return to the event loop (its next pass would run a collective)
         time.sleep(3600)
 

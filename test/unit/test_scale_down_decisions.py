@@ -80,3 +80,14 @@ def test_the_idle_step_runs_only_when_no_rank_has_a_batch(
     assert calls == []
     scale_progress.progress_membership_when_idle(SimpleNamespace(batch_to_run=None), sched)
     assert calls == ["step", "report"]
+
+
+def test_a_server_is_stopped_only_when_every_one_of_its_ranks_leaves() -> None:
+    from sglang_elastic_ep.sglang.scale_down import first_rank_of_server
+
+    # A joiner at offset 2 (ranks 2..): its own server.
+    assert first_rank_of_server(is_joiner=True, join_offset=2, node_rank=0, ranks_per_node=1) == 2
+    # Node 1 of a 2-node launch with 2 ranks per node serves ranks 2 and 3.
+    assert first_rank_of_server(is_joiner=False, join_offset=0, node_rank=1, ranks_per_node=2) == 2
+    # Node 0 always holds rank 0, which never leaves.
+    assert first_rank_of_server(is_joiner=False, join_offset=0, node_rank=0, ranks_per_node=2) == 0
