@@ -86,3 +86,23 @@ def test_a_leaving_shard_going_inactive_is_no_failure_and_drain_stragglers_end_w
     (abort,) = aborted
     assert abort.rid == "slow" and abort.finished_reason["status_code"] == 503
     assert "--elastic-ep-drain-timeout (7 s)" in abort.abort_message
+
+
+def test_scaling_away_a_failed_rank_is_refused_with_its_reason() -> None:
+    """Its scheduler cannot answer or drain; the engine says so instead of waiting forever."""
+    from sglang_elastic_ep.api.control_plane import EngineRefusal, InProcessControlPlane
+    from sglang_elastic_ep.core.api_models import ScaleRequest
+    from sglang_elastic_ep.core.validation import ScaleTopology
+    from sglang_elastic_ep.sglang import http_adapter
+
+    plane = InProcessControlPlane(
+        topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=3
+    )
+    plane.report_rank_failed([2], "process exited")
+    engine = http_adapter.UpstreamEngine(SimpleNamespace(attn_replica_size=1), [plane])
+    plane._engine = engine
+    answer = asyncio.run(plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="cut")))
+    assert answer.status == 422, answer
+    assert "relaunch it with --ep-join-mode recover" in answer.response.message
+    assert plane.status().effective_ep_size == 3
+    assert isinstance(EngineRefusal("x"), ValueError)

@@ -24,6 +24,7 @@ from sglang_elastic_ep.core.validation import ScaleTopology
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2
+SCHEDULER_ANSWER_TIMEOUT_S = 60.0  # every live scheduler answers a scale request at once
 _UPSTREAM_PHASES = {p.value: p for p in Phase}
 
 _plane: InProcessControlPlane | None = None
@@ -102,9 +103,24 @@ class UpstreamEngine:
 
         leaving: frozenset[int] = frozenset()
         if op.kind is OperationKind.SCALE_DOWN:
+            dead = sorted(self._plane_ref[0].membership.failed & frozenset(op.ranks))
+            if dead:  # its scheduler cannot answer, drain or commit
+                raise EngineRefusal(
+                    f"ranks {dead} have failed: removing a failed rank by scale-down is not "
+                    "built yet; relaunch it with --ep-join-mode recover first"
+                )
             leaving = self._leaving_shards(op)
             _router.leaving = leaving  # stop new work first
-        result = await self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size))
+        try:
+            result = await asyncio.wait_for(
+                self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)),
+                SCHEDULER_ANSWER_TIMEOUT_S,
+            )
+        except asyncio.TimeoutError:
+            _router.leaving = frozenset()
+            raise RuntimeError(
+                f"the schedulers did not answer within {SCHEDULER_ANSWER_TIMEOUT_S:g} s"
+            ) from None
         if not result.success:
             _router.leaving = frozenset()
             if op.kind is OperationKind.SCALE_DOWN:
@@ -128,8 +144,11 @@ class UpstreamEngine:
         same request again, past upstream's pending check), so a leaving rank can commit."""
         from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
 
-        answers = await self._tm.scale_elastic_ep_communicator(
-            ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)
+        answers = await asyncio.wait_for(
+            self._tm.scale_elastic_ep_communicator(
+                ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)
+            ),
+            SCHEDULER_ANSWER_TIMEOUT_S,
         )
         refused = [a.message for a in answers if not a.success]
         if refused:
