@@ -19,11 +19,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-from sglang_elastic_ep.cluster.procs import free_port, kill_tree, process_tree
+from sglang_elastic_ep.cluster.procs import free_port_run, kill_tree, process_tree
 from sglang_elastic_ep.cpu.shared_host import ENV_SHARED_HOST_NODE
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
+DERIVED_PORTS = 6  # SGLang's port_base + 0..5 (detokenizer, rpc, metrics, ...; server_args.py)
+JOINER_PORT_DELTA = 233  # a joiner's port_base is its --port + ZMQ_TCP_PORT_DELTA
 
 # Settings every CPU server gets: the CPU engine, UCX on loopback for NIXL, unbuffered logs.
 CPU_ENV = {
@@ -214,10 +216,23 @@ class LocalCluster:
         self.primary: ServerProcess | None = None
         self.followers: dict[int, ServerProcess] = {}  # node rank -> server (nodes > 1)
         self.joiners: list[ServerProcess] = []
-        self.dist_port = 0
+        # --dist-init-addr's port and the ports SGLang derives from it (+1..+6), kept apart from
+        # every other port this cluster picks.
+        self.dist_port = free_port_run(DERIVED_PORTS + 1)
+        self._taken: set[int] = set(range(self.dist_port, self.dist_port + DERIVED_PORTS + 1))
         # SGLang's global TCPStore (NIXL metadata, scale cohorts) listens on a fixed default
         # port; each cluster gets a free one, shared by its primary and joiners.
-        self.env = {"SGLANG_TCP_STORE_PORT": str(free_port())}
+        self.env = {"SGLANG_TCP_STORE_PORT": str(self._take_port())}
+
+    def _take_port(self, derived_offset: int = 0) -> int:
+        """A free port outside this cluster's other ports; with ``derived_offset`` (a
+        joiner's HTTP port) the ports SGLang derives at that offset are free and kept too."""
+        length = DERIVED_PORTS + 1 if derived_offset else 1
+        port = free_port_run(length, offset=derived_offset, avoid=self._taken)
+        self._taken.add(port)
+        if derived_offset:
+            self._taken.update(range(port + derived_offset, port + derived_offset + length))
+        return port
 
     @property
     def url(self) -> str:
@@ -225,8 +240,7 @@ class LocalCluster:
         return self.primary.url
 
     def start(self, wait: bool = True) -> LocalCluster:
-        port = free_port()
-        self.dist_port = free_port()
+        port = self._take_port()
         args = base_server_args(self.spec, port)
         if self.spec.elastic or self.spec.nodes > 1:
             args += ["--dist-init-addr", f"127.0.0.1:{self.dist_port}"]
@@ -251,7 +265,7 @@ class LocalCluster:
         old = self.followers.get(node)
         if old is not None and old.alive():
             raise RuntimeError(f"node {node} is still running (pid {old.pid})")
-        port = free_port()
+        port = self._take_port()
         args = base_server_args(self.spec, port) + [
             "--dist-init-addr", f"127.0.0.1:{self.dist_port}",
             "--nnodes", str(self.spec.nodes), "--node-rank", str(node),
@@ -277,7 +291,7 @@ class LocalCluster:
         """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size)."""
         if mode not in ("scale", "recover"):
             raise ValueError(f"join mode must be 'scale' or 'recover', got {mode!r}")
-        port = free_port()
+        port = self._take_port(derived_offset=JOINER_PORT_DELTA)
         args = base_server_args(self.spec, port)
         args[args.index("--tp") + 1] = str(size)
         args[args.index("--ep") + 1] = str(size)

@@ -1,0 +1,31 @@
+"""Port picking for the CPU cluster: SGLang derives more ports from the ones it is given."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from sglang_elastic_ep.cluster.procs import free_port_run, port_is_free
+
+
+def test_a_port_run_is_free_and_avoids_the_taken_ports() -> None:
+    port = free_port_run(7)
+    assert all(port_is_free(q) for q in range(port, port + 7))
+    taken = set(range(port, port + 7))
+    other = free_port_run(1, avoid=taken)
+    assert other not in taken
+    joiner = free_port_run(7, offset=233, avoid=taken)
+    assert joiner not in taken and not taken & set(range(joiner + 233, joiner + 240))
+
+
+def test_a_busy_port_is_not_free() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert not port_is_free(sock.getsockname()[1])
+
+
+def test_no_run_found_says_so() -> None:
+    with pytest.raises(RuntimeError, match="no free port"):
+        free_port_run(1, offset=70000, attempts=3)
