@@ -43,6 +43,11 @@ def run_under_load(doc: str, run: Callable[[float], dict[str, float]]) -> dict[s
     return result
 
 
+def load_counts(results: list) -> dict[str, float]:
+    """How many requests the load client finished, and how many of them failed."""
+    return {"requests": float(len(results)), "failed": float(sum(not r.ok for r in results))}
+
+
 def seconds_table(title: str, setup: str) -> list[str]:
     """Section title, the command that ran, the set-up, and a ``measure | seconds`` header."""
     return [

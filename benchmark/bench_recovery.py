@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import run_under_load, seconds_table, write_section  # noqa: E402
+from _report import load_counts, run_under_load, seconds_table, write_section  # noqa: E402
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep.cluster.load import longest_gap  # noqa: E402
@@ -61,7 +61,6 @@ def run(steady_s: float) -> dict[str, float]:
             t_end = time.monotonic()
         finally:
             results = load.stop()
-    failed = [r for r in results if not r.ok]
     steady = [r.finished - r.started for r in results if r.ok and r.finished < t_kill]
     return {
         "detect_s": t_failed - t_kill,
@@ -71,8 +70,7 @@ def run(steady_s: float) -> dict[str, float]:
         "gap_steady_s": longest_gap(results, t_steady + 2.0, t_kill),
         "gap_fault_s": longest_gap(results, t_kill, t_launch),
         "gap_recover_s": longest_gap(results, t_launch, t_end),
-        "requests": float(len(results)),
-        "failed": float(len(failed)),
+        **load_counts(results),
         "latency_p50_s": statistics.median(steady) if steady else float("nan"),
     }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import run_under_load, seconds_table, write_section  # noqa: E402
+from _report import load_counts, run_under_load, seconds_table, write_section  # noqa: E402
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep.cluster.load import longest_gap  # noqa: E402
@@ -65,8 +65,7 @@ def run(steady_s: float) -> dict[str, float]:
         "gap_steady_s": longest_gap(results, t_steady, t_post),
         "gap_shrink_s": longest_gap(results, t_post, t_committed),
         "gap_after_s": longest_gap(results, t_committed, t_end),
-        "requests": float(len(results)),
-        "failed": float(sum(not r.ok for r in results)),
+        **load_counts(results),
     }
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import run_under_load, seconds_table, write_section  # noqa: E402
+from _report import load_counts, run_under_load, seconds_table, write_section  # noqa: E402
 from bench_recovery import scheduler_joined  # noqa: E402
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
@@ -55,8 +55,7 @@ def run(steady_s: float) -> dict[str, float]:
         "gap_steady_s": longest_gap(results, t_steady + 2.0, t_launch),
         "gap_scale_s": longest_gap(results, t_launch, t_committed),
         "gap_after_s": longest_gap(results, t_committed, t_end),
-        "requests": float(len(results)),
-        "failed": float(sum(not r.ok for r in results)),
+        **load_counts(results),
     }
 
 

@@ -40,8 +40,10 @@ class LiveShardRouter:
 
     def mark_down(self, shards: set[int], in_flight: Container[str]) -> dict[int, list[str]]:
         """Record the shards that are down now; returns the still-running requests of each
-        shard that just went down (those are lost with it)."""
-        newly_down = sorted(set(shards) - self.down)
+        shard that just went down (those are lost with it). Leaving shards go inactive on
+        purpose (a scale-down releases them): not down, nothing lost."""
+        shards = set(shards) - self.leaving
+        newly_down = sorted(shards - self.down)
         self.down = frozenset(shards)
         return {
             shard: [r for r in self._by_shard.pop(shard, []) if r in in_flight]

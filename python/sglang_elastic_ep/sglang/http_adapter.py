@@ -130,8 +130,12 @@ class UpstreamEngine:
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
+    @property
+    def _drain_timeout_s(self) -> float:
+        return float(getattr(self._tm.server_args, "elastic_ep_drain_timeout", 120.0))
+
     def _end_drain_stragglers(self, leaving: frozenset[int]) -> int:
-        timeout = float(getattr(self._tm.server_args, "elastic_ep_drain_timeout", 120.0))
+        timeout = self._drain_timeout_s
         ended = 0
         for shard, rids in _router.still_running(leaving, self._tm.rid_to_state).items():
             _abort_with_503(self._tm, rids,
@@ -157,8 +161,7 @@ class UpstreamEngine:
     async def _watch(self, op: Operation, leaving: frozenset[int]) -> None:
         plane = self._plane_ref[0]
         operation_id = op.operation_id
-        drain_timeout = float(getattr(self._tm.server_args, "elastic_ep_drain_timeout", 120.0))
-        drain_deadline = time.monotonic() + drain_timeout if leaving else None
+        drain_deadline = time.monotonic() + self._drain_timeout_s if leaving else None
         draining = bool(leaving)
         last = None
         while True:
@@ -178,7 +181,8 @@ class UpstreamEngine:
                     drain_deadline = None  # once; the ended requests then leave rid_to_state
                     ended = self._end_drain_stragglers(leaving)
                     logger.warning("elastic EP: drain timeout (%g s) for shards %s: ended %d "
-                                   "requests with 503", drain_timeout, sorted(leaving), ended)
+                                   "requests with 503", self._drain_timeout_s, sorted(leaving),
+                                   ended)
             if phase is not None and phase != last and phase not in (Phase.IDLE,):
                 last = phase
                 if phase is Phase.SERVING_EXPANDED:
@@ -231,9 +235,9 @@ def mirror_active_ranks(result: Any, tokenizer_manager: Any, ranks: Any) -> None
         return
     _last_status = status
     replica = int(getattr(tokenizer_manager, "attn_replica_size", 1) or 1)
-    # Shards a scale-down is releasing go inactive on purpose: not a failure, nothing lost.
-    down_shards = {shard for shard, up in enumerate(status) if not up} - _router.leaving
+    down_shards = {shard for shard, up in enumerate(status) if not up}
     down = [shard * replica + i for shard in sorted(down_shards) for i in range(replica)]
+    # Leaving shards (a scale-down releasing them) are neither lost (router) nor failed (plane).
     lost = _router.mark_down(down_shards, tokenizer_manager.rid_to_state)
     plane.observe_rank_liveness(
         down, reason="the rank stopped answering its peers (Mooncake/NIXL fault detection)"

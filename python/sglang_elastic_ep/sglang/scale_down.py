@@ -92,7 +92,7 @@ def refusal(state: Any, new_ep_size: int) -> str | None:
 def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     """AROUND ``Scheduler.handle_scale_elastic_ep``: a target below the effective size is a
     scale-down (upstream refuses those); anything else is upstream's scale-up."""
-    global _scheduler
+    global _scheduler, _drain_confirmed
     _scheduler = scheduler
     manager = _state_manager()
     state = manager.instance()
@@ -102,7 +102,6 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
 
     old = state.effective_ep_size
-    global _drain_confirmed
     if state.pending_ep_size == new and state.scale_phase == "draining":
         # The HTTP process's second message: every request it routed to the leaving shards
         # has finished (or was ended at the drain timeout), so none is still on its way here.

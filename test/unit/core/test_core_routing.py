@@ -53,6 +53,7 @@ def test_leaving_shards_get_no_new_requests_and_their_running_ones_are_known() -
     assert {router.pick(3) for _ in range(6)} == {0, 1}
     assert router.still_running([2], in_flight={"a", "c"}) == {2: ["c"]}
     assert router.still_running([2], in_flight={"a"}) == {2: []}
+    assert router.mark_down({2}, in_flight={"c"}) == {} and router.down == frozenset()
     router.forget([2])
     assert router.leaving == frozenset() and router.still_running([2], {"c"}) == {2: []}
     assert [router.pick(2) for _ in range(2)] in ([0, 1], [1, 0])
