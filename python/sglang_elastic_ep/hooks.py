@@ -91,6 +91,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager.forward_elastic_scale_update",
          "sglang.http_adapter:apply_scale_update", "AROUND", "all",
          "a committed scale-down shrinks the tokenizer's worker count (upstream only grows)"),
+    Hook(f"{S}managers.scheduler_components.dp_attn._resolve_elastic_world_num_dp_ranks",
+         "sglang.tail_recovery:world_gather_width", "AROUND", "all",
+         "a scale-joined rank's death shrinks WORLD under the DP gather; upstream raises and "
+         "kills every scheduler"),
     Hook(f"{EEP}.maybe_rebalance_after_rank_fault",
          "sglang.scale_progress:rebalance_after_rank_fault", "AROUND", "all",
          "without --enable-eplb upstream dereferences a None EPLB manager on a rank fault"),

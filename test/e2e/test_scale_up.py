@@ -36,6 +36,7 @@ from sglang_elastic_ep.cluster.observe import (
     metric,
     sse_events,
     wait_operation,
+    wait_rank_state,
 )
 from sglang_elastic_ep.cluster.observe import status as read_status
 from sglang_elastic_ep.sglang.scale_progress import ENV_TEST_SKEW
@@ -111,14 +112,30 @@ def assert_nothing_lost(results: list[RequestResult], reference: dict[str, list[
     assert len(results) > 20
 
 
-@pytest.mark.timeout(1200)
-def test_scale_up_2_to_3_under_load_with_a_late_rank(tiny_model: Path) -> None:
-    """Rank 1 sees the scale 3 passes late (injected skew): rank 0 keeps serving until it
-    catches up, then both admit the joiner on the same pass."""
+def rank_events(events: list[dict], rank: int) -> list[str]:
+    return [e["type"] for e in events if e.get("ranks") == [rank] and not e.get("operation_id")]
+
+
+RECOVERY_EVENTS = ["rank_failed", "recovery_required", "rank_recovered"]
+FAULT_SEEN_S = 90
+
+
+@pytest.mark.timeout(1500)
+def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Path) -> None:
+    """Rank 1 sees each membership change 3 passes late (injected skew).
+
+    2 -> 3 under load: rank 0 keeps serving until rank 1 catches up, then both admit the joiner
+    on the same pass. Then the joiner (rank 2, which joined by scale-up: upstream answers
+    ``recovery_unsupported``) is killed with SIGKILL under load and relaunched with
+    ``--ep-join-mode recover``: the survivors let go of its slot and re-admit the replacement,
+    again held back by the late rank; back at 3 ranks, shard 2 serves again."""
     with WebhookReceiver() as hook:
         spec = ClusterSpec(
             tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
-            extra_args=["--enable-metrics", "--elastic-ep-webhook-url", hook.url],
+            # Every expert on both launch ranks too: the survivors serve all of them while
+            # rank 2 is down, so greedy outputs stay identical throughout.
+            extra_args=["--ep-num-redundant-experts", "16", "--enable-metrics",
+                        "--elastic-ep-webhook-url", hook.url],
         )
         cluster = LocalCluster(spec)
         cluster.env[ENV_TEST_SKEW] = "1:3"
@@ -129,23 +146,56 @@ def test_scale_up_2_to_3_under_load_with_a_late_rank(tiny_model: Path) -> None:
             try:
                 joiner = grow_2_to_3_joiner_first(cluster, "grow-to-3")
                 time.sleep(5.0)  # steady load on three shards
+                served_by_joiner = batches_run_by(joiner.log_path, 2)
+
+                killed_at = time.monotonic()
+                cluster.kill_server(joiner)
+                degraded = wait_rank_state(url, 2, "failed", FAULT_SEEN_S)
+                assert degraded["phase"] == "serving_degraded", degraded
+                assert degraded["effective_ep_size"] == 3, degraded
+                served = len(load.snapshot())
+                time.sleep(5.0)
+                assert len(load.snapshot()) > served, "the survivors must keep serving"
+
+                replacement = cluster.start_joiner("recover", rank_offset=2)
+                recovered = wait_rank_state(url, 2, "active", SCALE_TIMEOUT_S)
+                assert recovered["phase"] == "serving_recovered", recovered
+                assert recovered["effective_ep_size"] == 3, recovered
+                time.sleep(5.0)  # steady load on three shards again
             finally:
                 results = load.stop()
 
-            assert_nothing_lost(results, reference)
+            lost = [r for r in results if not r.ok]
+            for r in lost:  # only what rank 2 held when it died, and said so
+                assert r.status == 503 and "failed before it finished" in (r.error or ""), r
+                assert r.started < killed_at + FAULT_SEEN_S
+            assert len(lost) <= 2, f"more requests lost than were in flight: {lost}"
+            assert_nothing_lost([r for r in results if r.ok], reference)
             assert greedy_reference(url) == reference
-            assert batches_run_by(joiner.log_path, 2) > 0, "the DP router must use new shard 2"
+            assert served_by_joiner > 0, "the DP router must use new shard 2"
+            with httpx.Client() as client:
+                for i in range(6):  # round-robin over 3 shards: 2 each
+                    assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
+            assert batches_run_by(replacement.log_path, 2) > 0, "shard 2 must serve again"
             primary_log = cluster.primary.log_path.read_text(errors="replace")
-            assert "rank 1 holds back readiness for size 3 (pass 3 of 3)" in primary_log
+            for size in (3, 2):  # the scale-up, then letting go of the failed slot
+                assert f"rank 1 holds back readiness for size {size} (pass 3 of 3)" in primary_log
+            assert primary_log.count("holds back readiness for size 3 (pass 3 of 3)") == 2, \
+                "the re-admission must wait for the late rank too"
             assert metric(url, "sglang:elastic_ep_effective_size") == 3.0
+            assert metric(url, "sglang:elastic_ep_failed_ranks") == 0.0
             assert metric(
                 url, 'sglang:elastic_ep_operations_total{kind="scale_up",result="succeeded"}'
             ) == 1.0
-            assert operation_events(sse_events(url))["grow-to-3"] == SCALE_EVENTS
+            events = sse_events(url)
+            assert operation_events(events)["grow-to-3"] == SCALE_EVENTS
+            assert rank_events(events, 2) == RECOVERY_EVENTS, events
             delivered = hook.wait_for(
                 lambda got: operation_events(got).get("grow-to-3") == SCALE_EVENTS
+                and rank_events(got, 2) == RECOVERY_EVENTS
             )
             assert operation_events(delivered)["grow-to-3"] == SCALE_EVENTS, delivered
+            assert rank_events(delivered, 2) == RECOVERY_EVENTS, delivered
 
 
 @needs_opt_in_to_4

@@ -38,6 +38,14 @@ def test_ep_join_mode_alias_parses_and_conflicts_fail() -> None:
         eep_args.resolve_join_mode("scale", "recover")
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-path", "m", "--ep-join-mode", "grow"])
+    # A replacement for scale-joined slots keeps their join offset and joins as a scale joiner.
+    slot = parser.parse_args(["--model-path", "m", "--ep-join-mode", "recover",
+                              "--elastic-ep-join-rank-offset", "2"])
+    assert slot.ep_join_rank_offset == 2
+    assert eep_args.join_mode_for_slot("recover", slot.ep_join_rank_offset) == "scale"
+    assert eep_args.join_mode_for_slot("recover", 0) == "recover"
+    assert eep_args.join_mode_for_slot("scale", 2) == "scale"
+    assert eep_args.join_mode_for_slot(None, 0) is None
 
 
 # ------------------------------------------------- NIXL data-plane hooks: gated pass-through

@@ -282,13 +282,20 @@ class LocalCluster:
 
     def kill_node(self, node: int) -> int:
         """SIGKILL every process of node ``node`` (a machine dying); returns the leader pid."""
-        server = self.followers[node]
+        return self.kill_server(self.followers[node])
+
+    @staticmethod
+    def kill_server(server: ServerProcess) -> int:
+        """SIGKILL every process of one server (a follower node or a joiner); its pid."""
         kill_tree(server.pid, hard=True)
         server.popen.wait(timeout=10)
         return server.pid
 
     def start_joiner(self, mode: str, rank_offset: int, size: int = 1) -> ServerProcess:
-        """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size)."""
+        """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size).
+
+        ``recover`` replaces a failed joiner: the same command as the original with the other
+        mode (the primary's own nodes come back through :meth:`start_node`)."""
         if mode not in ("scale", "recover"):
             raise ValueError(f"join mode must be 'scale' or 'recover', got {mode!r}")
         port = self._take_port(derived_offset=JOINER_PORT_DELTA)
@@ -302,11 +309,10 @@ class LocalCluster:
             "--nnodes", "2", "--node-rank", "1",
             "--moe-dense-tp-size", "1",
         ]
-        if mode == "scale":
-            args += [
-                "--elastic-ep-join-rank-offset", str(rank_offset),
-                "--elastic-ep-initial-size", str(self.spec.ep_size),
-            ]
+        args += [
+            "--elastic-ep-join-rank-offset", str(rank_offset),
+            "--elastic-ep-initial-size", str(self.spec.ep_size),
+        ]
         joiner = ServerProcess(
             f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size, self.env
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sglang_elastic_ep.core.api_models import RankState, RankStatus
@@ -62,3 +62,52 @@ def is_recovery_join(rank_ids: Iterable[int], ever_active: Iterable[int]) -> boo
             " recover and scale in separate operations"
         )
     return bool(joining) and before == joining
+
+
+@dataclass(frozen=True)
+class FailedTail:
+    """The failed ranks inside the effective size, and whether re-admission can bring them back.
+
+    Ranks that joined by scale-up live only in the expandable WORLD group (upstream's launch-time
+    TP/EP groups never contained them), so a replacement for one can join exactly the way the
+    original did: the survivors first let the failed tail go (a contraction, as in a scale-down),
+    then admit the replacement into the same slots. That works when the failed ranks are the
+    tail ``[first, effective_size)`` and all of them joined after launch."""
+
+    first: int
+    effective_size: int
+    problem: str | None  # why re-admission cannot recover them; None when it can
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first, self.effective_size)
+
+
+def failed_tail(active: Sequence[int], effective_size: int, launch_size: int) -> FailedTail | None:
+    """The failed ranks among ``[0, effective_size)`` of the ``active`` mask (None: none failed).
+
+    ``launch_size`` is the EP size the server was launched with: ranks below it are in the
+    launch-time groups and come back through upstream's recovery instead."""
+    if not 1 <= launch_size <= effective_size <= len(active):
+        raise ValueError(
+            f"need 1 <= launch_size ({launch_size}) <= effective_size ({effective_size}) <= "
+            f"mask length ({len(active)})"
+        )
+    failed = [r for r in range(effective_size) if not active[r]]
+    if not failed:
+        return None
+    first = failed[0]
+    problem = None
+    if failed != list(range(first, effective_size)):
+        alive = [r for r in range(first, effective_size) if active[r]]
+        problem = (
+            f"failed ranks {failed} are not the tail of the {effective_size} ranks (ranks "
+            f"{alive} still serve): only a failed tail of ranks that joined by scale-up can be "
+            "re-admitted"
+        )
+    elif first < launch_size:
+        problem = (
+            f"rank {first} was launched with the server ({launch_size} ranks) and the server has "
+            "scaled since: upstream recovers launch-time ranks only in the launch-time world"
+        )
+    return FailedTail(first=first, effective_size=effective_size, problem=problem)

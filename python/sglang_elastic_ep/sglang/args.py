@@ -57,6 +57,16 @@ def resolve_join_mode(upstream: str | None, alias: str | None) -> str | None:
     return alias
 
 
+def join_mode_for_slot(mode: str | None, join_rank_offset: int) -> str | None:
+    """A replacement for ranks that joined by scale-up (``--ep-join-mode recover`` with the
+    join offset of their slots) joins the way they did: as a scale joiner. The survivors know
+    the slots failed and re-admit it there (sglang/tail_recovery.py); upstream's recover mode
+    only rebuilds the launch-time world."""
+    if mode == "recover" and join_rank_offset > 0:
+        return "scale"
+    return mode
+
+
 def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
     """AFTER hook on ``ServerArgs.from_cli_args``: carry our flags onto the instance."""
     for dest, default, _typ, _help in EXTRA_FLAGS.values():
@@ -72,6 +82,8 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
             if value <= 0:
                 raise ValueError(f"{env}: Mooncake timeouts must be positive seconds, got {value}")
             os.environ[env] = str(value)
-    server_args.ep_join_mode = resolve_join_mode(
-        getattr(server_args, "ep_join_mode", None), server_args.eep_join_mode_alias
+    server_args.ep_join_mode = join_mode_for_slot(
+        resolve_join_mode(getattr(server_args, "ep_join_mode", None),
+                          server_args.eep_join_mode_alias),
+        int(getattr(server_args, "ep_join_rank_offset", 0) or 0),
     )

@@ -150,8 +150,11 @@ def ready_to_shrink(state: Any, rank: int) -> int:
     return target if drained else 0
 
 
-def finalize_scale_down(runner: Any, target: int) -> None:
-    """Every active rank, on the same agreed pass: switch placement, then let the tail go."""
+def finalize_scale_down(runner: Any, target: int, *, tell_tokenizer: bool = True) -> None:
+    """Every active rank, on the same agreed pass: switch placement, then let the tail go.
+
+    ``tell_tokenizer=False`` when the tail failed rather than left (tail_recovery): the HTTP
+    process keeps its size and shows the slots failed until their replacement joins."""
     from mooncake.pg import deactivate_ranks
     from sglang.srt.eplb.expert_distribution import (
         ExpertDistributionRecorder,
@@ -220,7 +223,7 @@ def finalize_scale_down(runner: Any, target: int) -> None:
     if runner.eplb_manager is not None:
         runner.eplb_manager.reset_generator()
         runner._rearm_eplb_after_elastic_scale()
-    if rank == 0:
+    if rank == 0 and tell_tokenizer:
         from sglang.srt.managers.io_struct import ElasticScaleUpdateReq
 
         runner._pending_elastic_scale_update = ElasticScaleUpdateReq(

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
 from sglang_elastic_ep.cpu.idle import parked_during_idle
+from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.scale_down import finalize_scale_down, is_shrink, ready_to_shrink
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,11 @@ class ReadinessSkew:
         self.rank = rank
         self._held: dict[int, int] = {}  # target -> passes held back so far
 
+    def entered(self) -> None:
+        """The ranks entered a change: the next change is late again (a recovery re-admits
+        into the same size a scale-up reached before)."""
+        self._held.clear()
+
     def apply(self, ready: int) -> int:
         if not self.passes or not ready:
             return ready
@@ -154,8 +160,9 @@ def _readiness_skew() -> ReadinessSkew:
 
 def agreed_join_step(original: Any, runner: Any) -> None:
     """AROUND ``ModelRunner.maybe_join_ep_ranks``: enter the membership step only on a pass where
-    every active rank is ready for the same scale, up or down (see
-    :func:`sglang_elastic_ep.core.agreement.lockstep_verdict`). Upstream let each rank decide
+    every active rank is ready for the same change (see
+    :func:`sglang_elastic_ep.core.agreement.lockstep_verdict`): a scale up or down, or letting
+    go of a failed tail of scale-joined ranks (``tail_recovery``). Upstream let each rank decide
     from local checks (its copy of the request, the cohort key, Mooncake peer state), so under
     load one rank admitted the joiner while another ran the next MoE dispatch, and both hung."""
     from sglang.srt.runtime_context import get_parallel
@@ -163,18 +170,29 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     state = _elastic_state().instance()
     if not _lockstep_agreement_on(state, get_parallel()):
         return original(runner)
+    tail_recovery.request_return_when_replacement_registered(state)
     target = state.pending_ep_size or 0
+    let_go = 0 if target else tail_recovery.contraction_target(state, runner)
     shrinking = is_shrink(state)
-    if shrinking:  # a scale-down: leaving ranks are ready once they hold no request
+    if let_go:  # every survivor is ready as soon as it sees the failure
+        target = ready = let_go
+    elif shrinking:  # a scale-down: leaving ranks are ready once they hold no request
         ready = ready_to_shrink(state, runner._elastic_global_rank())
     else:
         ready = _ready_target(state, target)
-    ready = _readiness_skew().apply(ready)
+    skew = _readiness_skew()
+    ready = skew.apply(ready)
     reduced = torch.tensor([ready, -ready, target], dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
     if verdict is LockstepVerdict.WAIT:
         return None
-    if verdict is LockstepVerdict.ENTER and shrinking:
-        return finalize_scale_down(runner, target)
-    return original(runner)
+    if verdict is LockstepVerdict.ENTER:
+        skew.entered()
+        if let_go:
+            return tail_recovery.let_go_of_failed_tail(runner, let_go)
+        if shrinking:
+            return finalize_scale_down(runner, target)
+    original(runner)
+    tail_recovery.note_committed(state)
+    return None

@@ -1,7 +1,7 @@
 import pytest
 
 from sglang_elastic_ep.core.api_models import RankState
-from sglang_elastic_ep.core.membership import Membership
+from sglang_elastic_ep.core.membership import Membership, failed_tail
 
 
 def test_rank_states_cover_every_slot_up_to_max() -> None:
@@ -51,3 +51,32 @@ def test_failed_in_range_ignores_ranks_beyond_effective_size() -> None:
 def test_inconsistent_membership_is_rejected(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         Membership(**kwargs)
+
+
+def test_no_failed_tail_when_every_rank_inside_the_size_is_active() -> None:
+    # rank 3 is beyond the effective size (not joined): not a failure
+    assert failed_tail([1, 1, 1, 0], effective_size=3, launch_size=2) is None
+
+
+def test_a_failed_scale_joined_tail_can_be_readmitted() -> None:
+    tail = failed_tail([1, 1, 0, 0], effective_size=4, launch_size=2)
+    assert tail is not None and tail.problem is None
+    assert list(tail.ranks) == [2, 3]
+
+
+def test_a_failed_rank_before_a_live_one_is_not_a_tail() -> None:
+    tail = failed_tail([1, 1, 0, 1], effective_size=4, launch_size=2)
+    assert tail is not None and list(tail.ranks) == [2, 3]
+    assert tail.problem is not None and "ranks [3] still serve" in tail.problem
+
+
+def test_a_failed_launch_time_rank_after_a_scale_is_upstreams_to_refuse() -> None:
+    tail = failed_tail([1, 0, 0, 0], effective_size=3, launch_size=2)
+    assert tail is not None and tail.first == 1
+    assert tail.problem is not None and "launched with the server" in tail.problem
+
+
+@pytest.mark.parametrize("effective, launch", [(5, 2), (2, 3), (2, 0)])
+def test_failed_tail_rejects_inconsistent_sizes(effective: int, launch: int) -> None:
+    with pytest.raises(ValueError):
+        failed_tail([1, 1, 1, 1], effective_size=effective, launch_size=launch)

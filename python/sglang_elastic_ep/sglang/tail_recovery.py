@@ -1,0 +1,188 @@
+"""Recovery of ranks that joined by scale-up (upstream answers ``recovery_unsupported``).
+
+Upstream recovers a crashed rank by rebuilding the launch-time world: WORLD and every
+launch-time TP/EP group (``try_recover_ranks``). A rank that joined by scale-up was never in
+those groups, only in the expandable WORLD, so after any scale upstream gives up on recovery.
+
+A failed tail of scale-joined ranks comes back the way it first came in, in two agreed steps:
+
+1. **Let go** (every survivor, on one agreed pass): the failed slots are cut from the expert map
+   and from DP attention, exactly as a scale-down does (``finalize_scale_down``), except that
+   the HTTP process is not told to shrink: its router keeps the shard marked failed and the
+   status keeps showing the slot as failed. Requests the dead shard held were already ended
+   with 503 by the HTTP process. Only when every logical expert keeps a replica on the
+   surviving ranks; otherwise nothing changes and the reason is reported.
+2. **Re-admit**: a replacement launched with ``--ep-join-mode recover`` and the slots' join
+   offset joins as a scale joiner (``args.join_mode_for_slot``) and registers its cohort. Each
+   survivor that sees that cohort and the replacement in Mooncake's WORLD requests the scale
+   back to the old size; upstream's scale-up
+   then admits it on a pass every rank agreed on, and the HTTP process sees the shard alive
+   again (``rank_recovered``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from sglang_elastic_ep.core.membership import failed_tail
+from sglang_elastic_ep.core.placement import uncovered_experts
+
+logger = logging.getLogger(__name__)
+
+COHORT_CHECK_INTERVAL_S = 0.5  # a store round trip; the replacement takes a minute to start
+
+_return_to: int | None = None  # the size to grow back to once a replacement registers
+_next_cohort_check = 0.0
+_reported: set[str] = set()
+
+
+def awaiting_replacement() -> int | None:
+    """The size this rank returns to once the failed slots' replacement joins (None: none)."""
+    return _return_to
+
+
+def _state_manager() -> Any:
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+
+    return ElasticEPStateManager
+
+
+def _once(message: str) -> None:
+    if message not in _reported:
+        _reported.add(message)
+        logger.error("[elastic-ep] %s", message)
+
+
+def _live_mask(state: Any) -> list[int]:
+    # Mooncake clears a rank in active_ranks when it stops answering; the host copy lags until
+    # the next sync. Either one marks the rank failed (upstream's recovery reads both the same
+    # way). The state is in host memory here (the lockstep agreement's precondition).
+    live = state.active_ranks.tolist()
+    host = state.active_ranks_cpu.tolist() if state.active_ranks_cpu is not None else live
+    return [int(a and b) for a, b in zip(live, host, strict=True)]
+
+
+def contraction_target(state: Any, runner: Any) -> int:
+    """The size to contract to now (the first failed rank), or 0: nothing failed, a scale is
+    pending, or the failed ranks cannot be recovered this way (then the recovery is failed
+    with the reason, once, and upstream's state says so)."""
+    if state.pending_ep_size is not None or not state.has_scaled:
+        return 0
+    if state.scale_phase == "recovery_unsupported":
+        return 0
+    tail = failed_tail(_live_mask(state), state.effective_ep_size, state.original_ep_size)
+    if tail is None:
+        return 0
+    problem = tail.problem or _uncovered_without(tail.first, state.effective_ep_size)
+    if problem is not None:
+        _fail_recovery(runner, state, problem)
+        return 0
+    return tail.first
+
+
+def _uncovered_without(first: int, effective: int) -> str | None:
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    metadata = get_global_expert_location_metadata()
+    if metadata is None:
+        return None
+    p2l = metadata.physical_to_logical_map
+    missing = uncovered_experts(p2l.tolist(), slots=(p2l.shape[1] // effective) * first)
+    if not missing:
+        return None
+    layer, experts = next(iter(missing.items()))
+    return (f"ranks {first}..{effective - 1} failed and logical experts {experts} (layer {layer}) "
+            f"have no replica on ranks 0..{first - 1}: the survivors cannot serve without them. "
+            "Relaunching with --ep-num-redundant-experts avoids this; restart the deployment")
+
+
+def _fail_recovery(runner: Any, state: Any, problem: str) -> None:
+    manager = _state_manager()
+    manager.fail_recovery(problem)
+    runner._report_elastic_scale_failure(problem, state.effective_ep_size)
+    _once(problem)
+
+
+def let_go_of_failed_tail(runner: Any, target: int) -> None:
+    """Step 1, on every survivor in the same agreed pass."""
+    global _return_to
+    from sglang_elastic_ep.sglang.scale_down import finalize_scale_down
+
+    state = _state_manager().instance()
+    old = state.effective_ep_size
+    finalize_scale_down(runner, target, tell_tokenizer=False)
+    state.scale_phase = "awaiting_replacement"
+    _return_to = old
+    logger.warning(
+        "[elastic-ep] ranks %d..%d failed; the survivors let go of their slots and serve on %d "
+        "ranks. Relaunch the failed joiner with --ep-join-mode recover "
+        "--elastic-ep-join-rank-offset %d to return to %d ranks",
+        target, old - 1, target, target, old,
+    )
+
+
+def request_return_when_replacement_registered(state: Any) -> None:
+    """Step 2: once the replacement's cohort is in the store, ask for the old size again (this
+    rank only; the per-pass agreement then waits for every survivor)."""
+    global _next_cohort_check
+    if _return_to is None or state.pending_ep_size is not None:
+        return
+    now = time.monotonic()
+    if now < _next_cohort_check:
+        return
+    _next_cohort_check = now + COHORT_CHECK_INTERVAL_S
+    from sglang.srt.elastic_ep.elastic_ep import get_scale_cohort
+
+    cohort = get_scale_cohort(state.effective_ep_size)
+    if cohort is None:
+        return
+    if cohort.target_ep_size != _return_to:
+        _once(f"a joiner registered for size {cohort.target_ep_size} while ranks "
+              f"{state.effective_ep_size}..{_return_to - 1} await their replacement: relaunch "
+              f"them with --ep-join-mode recover (size {_return_to})")
+        return
+    # The cohort key of the rank that died is still in the store (same offset, same payload);
+    # only Mooncake's peer state tells that a new process joined WORLD in its slots. Asking
+    # before would start upstream's scale timeout on the dead rank's key.
+    from mooncake.pg import get_peer_state
+
+    if not all(get_peer_state(dist.group.WORLD, list(range(state.effective_ep_size,
+                                                            _return_to)))):
+        return
+    if _state_manager().request_scale(_return_to):
+        logger.info("[elastic-ep] replacement for ranks %d..%d registered: re-admitting it",
+                    state.effective_ep_size, _return_to - 1)
+
+
+def note_committed(state: Any) -> None:
+    """After the per-pass step: the replacement is in once the old size is back."""
+    global _return_to
+    if _return_to is not None and state.pending_ep_size is None \
+            and state.effective_ep_size == _return_to:
+        logger.info("[elastic-ep] recovered ranks that joined by scale-up: back at %d ranks",
+                    _return_to)
+        _return_to = None
+
+
+def world_gather_width(original: Any, num_dp_ranks: int, **kwargs: Any) -> int:
+    """AROUND ``dp_attn._resolve_elastic_world_num_dp_ranks``: after a scale-up the DP
+    all-gather spans the expanded WORLD. When a rank of it dies, Mooncake drops it from WORLD's
+    size while the effective size still counts its slot (until the survivors let it go, a few
+    passes later). Upstream raises there and every scheduler dies. The gather itself, an
+    all-reduce of one row per DP rank, works with the dead rank's row left empty, so keep the
+    width while the missing ranks are exactly failed ones."""
+    try:
+        return original(num_dp_ranks, **kwargs)
+    except RuntimeError:
+        state = _state_manager().instance()
+        if state is None or state.active_ranks is None:
+            raise
+        if not any(not a for a in _live_mask(state)[: state.effective_ep_size]):
+            raise
+        from sglang.srt.layers.dp_attention import dp_gather_width
+
+        return dp_gather_width()
