@@ -126,6 +126,15 @@ def run(args: argparse.Namespace) -> int:
         hidden_size=HIDDEN,
     )
     sizing.allocate(buf)
+    if args.die_in_connect:
+        # Publish the handshake key, then never answer: the driver kills this process while
+        # the others wait for its handshake (a joiner dying during its first connect).
+        def handshake_then_hang(*_: Any, **__: Any) -> set[int]:
+            store.set(store_key("victim", args.start_phase, rank), b"1")
+            time.sleep(3600)
+            return set()
+
+        buf._handshake = handshake_then_hang  # type: ignore[method-assign]
     # The one line that picks the membership driver: the plugin's own module.
     membership = NixlMembership(reconnect_grace_s=0.0)
     membership.attach(
@@ -160,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
         t_connect = time.monotonic()
         membership.ensure_connected()
         connect_s = time.monotonic() - t_connect
-        _barrier(store, f"ready/{i}", list(range(size)), rank, 60)
+        mask = torch.zeros(MAX_RANKS, dtype=torch.int32)
+        buf.query_mask_buffer(mask)  # a rank that died in the connect never comes
+        _barrier(store, f"ready/{i}", [r for r in range(size) if not mask[r]], rank, 60)
 
         num_experts = LOCAL_EXPERTS * membership.connected_ep_size
         if rank in victims:
@@ -218,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         report["reasons"] = buf.mask_reasons()
         report["peers"] = {r: buf.peer_agent_name(r) for r in buf.connected_ranks}
         store.set(store_key("res", i, rank), pickle.dumps(report))
-        _barrier(store, f"done/{i}", survivors, rank, 60)
+        _barrier(store, f"done/{i}", [r for r in survivors if not mask[r]], rank, 60)
     membership.release()
     buf.destroy()
     return 0
@@ -232,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", required=True)
     p.add_argument("--incarnation", required=True)
     p.add_argument("--timeout-ms", type=int, default=3000)
+    p.add_argument("--die-in-connect", action="store_true")
     return run(p.parse_args(argv))
 
 

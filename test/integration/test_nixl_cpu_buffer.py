@@ -78,8 +78,9 @@ class Cluster:
         )
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
+        self.env: dict[str, str] = {}
 
-    def spawn(self, rank: int, phase: int) -> subprocess.Popen[bytes]:
+    def spawn(self, rank: int, phase: int, *extra: str) -> subprocess.Popen[bytes]:
         log = self.logdir / f"rank{rank}_phase{phase}.log"
         self.logs.append(log)
         with open(log, "wb") as fh:
@@ -88,11 +89,11 @@ class Cluster:
                     sys.executable, str(WORKER), "--port", str(self.store.port),
                     "--rank", str(rank), "--start-phase", str(phase),
                     "--plan", json.dumps(self.plan), "--incarnation", f"{rank}.{phase}",
-                    "--timeout-ms", str(self.timeout_ms),
+                    "--timeout-ms", str(self.timeout_ms), *extra,
                 ],
                 stdout=fh,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             )
         self.procs.append(proc)
         return proc
@@ -295,6 +296,29 @@ def test_silent_rank_is_masked_after_timeout(cluster_factory) -> None:
     rep = reports[1][0]
     assert rep["reasons"][1].startswith("timeout"), rep["reasons"]
     assert 0.9 * timeout_ms / 1000 <= rep["fp32"]["elapsed_s"] < timeout_ms / 1000 + 2.0
+
+
+def test_joiner_dying_in_its_first_handshake_does_not_hang_the_others(cluster_factory) -> None:
+    """Rank 1 joins (phase 1), publishes its handshake key and is killed before it answers:
+    rank 0's connect gives up on it once its agent refuses writes (instead of waiting out the
+    connect timeout inside a forward pass), masks it, and serves on."""
+    gone_s = 2.0
+    plan = [[0], [0, 1]]
+    cluster = cluster_factory(plan)
+    cluster.env["SGLANG_EEP_NIXL_CPU_PEER_GONE_S"] = str(gone_s)
+    rank0 = cluster.spawn(0, 0)
+    assert cluster.get(W.store_key("res", 0, 0))["fp32"]["counts"] is not None
+    joiner = cluster.spawn(1, 1, "--die-in-connect")
+    cluster.store.wait([W.store_key("victim", 1, 1)], timedelta(seconds=60))
+    os.kill(joiner.pid, signal.SIGKILL)
+    joiner.wait(timeout=10)
+    report = cluster.get(W.store_key("res", 1, 0))
+    assert report["mask"][1] == 1, report["mask"]
+    assert "refused handshake writes" in report["reasons"][1], report["reasons"]
+    assert report["connect_s"] < gone_s + 20, report["connect_s"]  # connect timeout is 40 s
+    x, ids, _ = W.phase_inputs(1, 0, 2, "fp32")
+    assert report["fp32"]["out"].shape == x.shape
+    assert rank0.wait(timeout=30) == 0
 
 
 # ----------------------------------------------------------------------------- single process

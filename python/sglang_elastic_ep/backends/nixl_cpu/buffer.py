@@ -70,6 +70,9 @@ PROBE_EVERY_S = 0.05
 # Re-read a peer's store key this often while its handshake is missing (a replacement process
 # may have published newer metadata than the one loaded).
 HANDSHAKE_REFRESH_S = 0.1
+# A peer whose published agent refused every handshake write for this long, with no newer key
+# in the store, died (a live NIXL agent accepts writes even while its process is busy).
+PEER_GONE_S = float(os.environ.get("SGLANG_EEP_NIXL_CPU_PEER_GONE_S", "10"))
 KEY_POLL_S = 0.005  # while a peer's key has not appeared yet
 MAX_INBOX_PER_AGENT = 64
 _TRACE = os.environ.get("SGLANG_EEP_NIXL_CPU_TRACE") == "1"  # print every write and notification
@@ -557,7 +560,7 @@ class Buffer:
         my_key = self._store_key(self.rank)
         store.set(my_key, self._local_info())
         try:
-            self._handshake(store, ranks, time.monotonic() + self.connect_timeout_s)
+            gone = self._handshake(store, ranks, time.monotonic() + self.connect_timeout_s)
         finally:
             # Withdrawn with an empty value, never deleted: a peer that saw the key in
             # ``check`` and then calls ``get`` would block forever on a deleted key
@@ -568,16 +571,23 @@ class Buffer:
             except Exception as exc:  # noqa: BLE001 - the store may be going away
                 logger.debug("withdraw %s: %s", my_key, exc)
         for r in ranks:
+            if r in gone:
+                continue
             peer = self._peers[r]
             peer.masked = not activate
             peer.reason = "" if activate else "connected with activate=False"
         logger.debug("rank %d connected %s (agent %s)", self.rank, ranks, self.agent_name)
 
-    def _handshake(self, store: Any, ranks: list[int], deadline: float) -> None:
+    def _handshake(self, store: Any, ranks: list[int], deadline: float) -> set[int]:
+        """Handshake with ``ranks``; returns those found dead meanwhile (masked, not waited
+        for: a joiner killed during its first handshake must not hang the others, who learn
+        of the death from Mooncake at their next collective)."""
         layout = self.layout
         loaded: dict[int, str] = {}  # rank -> agent whose metadata is loaded
         sent: dict[int, str] = {}  # rank -> agent our handshake write went to
         failed_at: dict[int, float] = {}  # rank -> when our handshake write last failed
+        failing_since: dict[int, float] = {}  # rank -> first failed write to its current agent
+        gone: set[int] = set()
         acked: set[int] = set()  # the peer's handshake naming our agent arrived
         last_read: dict[int, float] = {}
         waiting = set(ranks)
@@ -599,6 +609,7 @@ class Buffer:
                             loaded[r] = self._load_peer(r, info).agent
                             sent.pop(r, None)
                             failed_at.pop(r, None)
+                            failing_since.pop(r, None)
                             acked.discard(r)
                 peer = self._peers.get(r)
                 if peer is None or loaded.get(r) != peer.agent:
@@ -616,14 +627,30 @@ class Buffer:
                         sent[r] = peer.agent
                     else:
                         failed_at[r] = now
+                        failing_since.setdefault(r, now)
                 if r not in acked and self._take_handshake(peer, me):
                     acked.add(r)
                 if r in sent and not self._check_xfers(peer, mask_on_error=False):
                     # The write failed (a stale agent?): retry after the next key read.
                     sent.pop(r, None)
                     failed_at[r] = now
+                    failing_since.setdefault(r, now)
+                elif r in sent and not peer.xfers:
+                    failing_since.pop(r, None)
+                    if r not in acked and now - peer.last_probe >= PROBE_EVERY_S:
+                        # Our handshake arrived but none came back yet: a live agent takes
+                        # this tiny write, a dead one fails it.
+                        peer.last_probe = now
+                        if not self._post(peer, layout.ctrl_send(), layout.ctrl_recv(self.rank),
+                                          8, b"", mask_on_error=False):
+                            failing_since.setdefault(r, now)
                 if r in acked and r in sent and not peer.xfers:
                     waiting.discard(r)
+                elif now - failing_since.get(r, now) >= PEER_GONE_S:
+                    waiting.discard(r)
+                    gone.add(r)
+                    self._mask(peer, f"agent {peer.agent} refused handshake writes for "
+                                     f"{PEER_GONE_S:g} s: the process died")
             if not waiting:
                 break
             self._poll(skip=waiting)
@@ -638,6 +665,7 @@ class Buffer:
             peer = self._peers[r]
             peer.send_seq.clear()
             peer.recv_seq.clear()
+        return gone
 
     def _take_handshake(self, peer: _Peer, my_agent: bytes) -> bool:
         """Find the peer's handshake naming our agent. Notifications are FIFO per sender and a
