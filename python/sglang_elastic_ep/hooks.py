@@ -75,6 +75,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{S}eplb.expert_location_dispatch.topk_ids_logical_to_physical",
          "sglang.expert_dispatch:topk_ids_logical_to_physical", "AROUND", "all",
          "picks on inactive ranks move to live replicas (-1 if none) from the next forward on"),
+    Hook(f"{S}eplb.expert_location_dispatch.ExpertLocationDispatchInfo.init_new",
+         "sglang.expert_dispatch:dispatch_info_with_layer", "AROUND", "all",
+         "the repair step needs the layer's full replica list; upstream's is collapsed to the "
+         "nearest replica with an a2a backend"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.maybe_join_ep_ranks",
          "sglang.scale_progress:agreed_join_step", "AROUND", "all",
          "rank agreement: enter membership collectives only when every rank sees the scale"),
@@ -98,6 +102,12 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{EEP}.maybe_rebalance_after_rank_fault",
          "sglang.scale_progress:rebalance_after_rank_fault", "AROUND", "all",
          "without --enable-eplb upstream dereferences a None EPLB manager on a rank fault"),
+    Hook(f"{S}managers.scheduler.Scheduler.get_internal_state",
+         "sglang.expert_health:add_report", "AFTER", "all",
+         "rank 0's answer carries every rank's expert timings (the health monitor polls it)"),
+    Hook(f"{S}managers.scheduler.Scheduler.set_internal_state",
+         "sglang.expert_health:take_blocked_ranks", "AROUND", "all",
+         "the HTTP process blocks ranks with slow experts; upstream rejects unknown keys"),
     # --- orchestrator contract ---------------------------------------------------------
     Hook(f"{S}entrypoints.http_server.set_global_state", "sglang.http_adapter:mount_on_server",
          "AFTER", "all",

@@ -216,6 +216,53 @@ def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Pa
             assert operation_events(delivered)["grow-to-3"] == SCALE_EVENTS, delivered
             assert rank_events(delivered, 2) == RECOVERY_EVENTS, delivered
 
+            # Rank 2 fails again; this time the orchestrator removes it instead of replacing
+            # it: the one scale-down allowed while a rank is failed (vLLM's rule).
+            load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+            try:
+                time.sleep(2.0)
+                killed_at = time.monotonic()
+                cluster.kill_server(replacement)
+                wait_rank_state(url, 2, "failed", FAULT_SEEN_S)
+                grow = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
+                assert grow.status_code == 409, grow.text  # not while a rank is failed
+                removal = remove_failed_tail(url, new_ep_size=2, timeout_s=FAULT_SEEN_S)
+                assert wait_operation(url, removal, SCALE_TIMEOUT_S)["result"] == "succeeded"
+                removed = read_status(url)
+                assert removed["effective_ep_size"] == 2, removed
+                assert removed["ranks"][2]["state"] == "safe_to_terminate", removed
+                assert removed["safe_to_terminate_ranks"] == [2], removed
+                time.sleep(3.0)  # steady load on two shards
+            finally:
+                results = load.stop()
+            lost = [r for r in results if not r.ok]
+            for r in lost:
+                assert r.status == 503 and "failed before it finished" in (r.error or ""), r
+                assert r.started < killed_at + FAULT_SEEN_S
+            assert len(lost) <= 2, f"more requests lost than were in flight: {lost}"
+            assert_nothing_lost([r for r in results if r.ok], reference)
+            assert greedy_reference(url) == reference
+            assert metric(url, "sglang:elastic_ep_effective_size") == 2.0
+            ops = operation_events(sse_events(url))
+            assert ops[removal] == ["scale_requested", "scale_committed", "safe_to_terminate"]
+
+
+def remove_failed_tail(url: str, new_ep_size: int, timeout_s: float) -> str:
+    """POST the scale-down that removes the failed tail; retried (new operation id) while the
+    survivors have not let go of the slot yet (422 for a few passes after the failure)."""
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1000):
+        operation_id = f"remove-failed-{attempt}"
+        resp = httpx.post(url + "/scale_elastic_ep",
+                          json={"new_ep_size": new_ep_size, "operation_id": operation_id},
+                          timeout=60)
+        if resp.status_code == 200:
+            return operation_id
+        assert resp.status_code == 422, resp.text
+        assert time.monotonic() < deadline, f"removal still refused: {resp.text}"
+        time.sleep(2.0)
+    raise AssertionError("unreachable")
+
 
 @needs_opt_in_to_4
 @pytest.mark.timeout(1500)

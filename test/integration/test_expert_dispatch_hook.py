@@ -248,6 +248,67 @@ def test_mask_changes_in_place_apply_on_the_next_call(sgl: dict[str, Any]) -> No
         assert ed.dropped_expert_assignments() == 0
 
 
+def collapsed_static_info(metadata: Any, layer: int, ep_rank: int) -> Any:
+    """What ``init_new`` hands a rank with an a2a backend: each expert's replica list collapsed
+    to the rank's nearest replica (upstream's ``_compute_logical_to_all_physical_map`` with a
+    ``moe_ep_rank``), tagged with its layer by our ``init_new`` hook."""
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+
+    nearest = []
+    for e in range(NUM_LOGICAL):
+        slots = replicas(layer, e)
+        local = [s for s in slots if slot_rank(s) == ep_rank]
+        nearest.append((local or slots)[0])
+    table = torch.full((NUM_LOGICAL, NUM_SLOTS), -1, dtype=torch.int64)
+    table[:, 0] = torch.tensor(nearest)
+    info = ExpertLocationDispatchInfo(
+        ep_dispatch_algorithm="static",
+        partial_logical_to_rank_dispatch_physical_map=torch.tensor(nearest),
+        partial_logical_to_all_physical_map=table,
+        partial_logical_to_all_physical_map_num_valid=torch.ones(NUM_LOGICAL, dtype=torch.int64),
+        num_physical_experts=metadata.num_physical_experts,
+    )
+    setattr(info, ed.ELASTIC_LAYER_ATTR, layer)
+    return info
+
+
+def test_collapsed_lists_still_route_to_replicas_on_other_ranks(sgl: dict[str, Any]) -> None:
+    """Rank 2's tokens use rank 2's own replicas; rank 2 fails (its mask entry clears): the
+    repair picks replicas on ranks 0, 1, 3 from the layer's full list instead of dropping."""
+    ids = routing(200, seed=5)
+    with serving(sgl, "on", mask(2)) as metadata:
+        info = collapsed_static_info(metadata, 1, ep_rank=2)
+        assert bool((upstream()(ids, info)[ids >= 0] // NUM_LOCAL == 2).any())
+        got = installed_hook()(ids, info)
+    valid = ids >= 0
+    assert bool((got[valid] >= 0).all()), "layer 1 has every expert twice: nothing dropped"
+    assert not bool((got[valid] // NUM_LOCAL == 2).any())
+    for t, k in zip(*torch.nonzero(valid, as_tuple=True), strict=True):
+        assert int(got[t, k]) in replicas(1, int(ids[t, k]))
+    assert ed.dropped_expert_assignments() == 0
+
+
+def test_a_blocked_rank_loses_the_experts_that_have_replicas_and_keeps_the_rest(
+    sgl: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 is blocked for slow experts (alive): in layer 0 its experts 3 and 4 move to their
+    replicas on ranks 2 and 3; expert 5 lives only there, so its tokens still go to rank 1
+    (slow beats dropped)."""
+    from sglang_elastic_ep.sglang import expert_health
+
+    monkeypatch.setattr(expert_health, "_blocked_mask", 1 << 1)
+    monkeypatch.setattr(expert_health, "_keep", None)
+    ids = routing(300, seed=6)
+    with serving(sgl, "on", mask()) as metadata:
+        info = collapsed_static_info(metadata, 0, ep_rank=1)
+        got = installed_hook()(ids, info)
+    valid = ids >= 0
+    on_rank_1 = got[valid] // NUM_LOCAL == 1
+    assert bool((ids[valid][on_rank_1] == 5).all()), "only expert 5 stays on rank 1"
+    assert bool(on_rank_1.any()) and bool((got[valid] >= 0).all())
+    assert ed.dropped_expert_assignments() == 0
+
+
 def test_keyword_call_and_missing_state_pass_through(sgl: dict[str, Any]) -> None:
     ids = routing(32, seed=4)
     with serving(sgl, "on", None) as metadata:  # elastic EP on, state not built yet

@@ -88,9 +88,34 @@ def test_a_leaving_shard_going_inactive_is_no_failure_and_drain_stragglers_end_w
     assert "--elastic-ep-drain-timeout (7 s)" in abort.abort_message
 
 
-def test_scaling_away_a_failed_rank_is_refused_with_its_reason() -> None:
-    """Its scheduler cannot answer or drain; the engine says so instead of waiting forever."""
-    from sglang_elastic_ep.api.control_plane import EngineRefusal, InProcessControlPlane
+class FakeTokenizerManager:
+    """What UpstreamEngine uses of SGLang's TokenizerManager; schedulers answer ``answer``."""
+
+    def __init__(self, answer: object) -> None:
+        self.attn_replica_size = 1
+        self.elastic_worker_count = 3
+        self.fan_outs: list[int] = []
+        self.asked: list[int] = []
+        self.answer = answer
+        self.phase = "serving_expanded"
+        self.rid_to_state: dict[str, object] = {}
+        self.server_args = SimpleNamespace(elastic_ep_drain_timeout=120.0)
+
+    def update_control_communicator_fan_out(self, worker_count: int) -> None:
+        self.fan_outs.append(worker_count)
+
+    async def scale_elastic_ep(self, obj: object) -> object:
+        self.asked.append(obj.new_ep_size)
+        if self.answer.success:  # rank 0 reports the commit right after
+            self.phase = "serving_contracted"
+        return self.answer
+
+    def get_elastic_ep_state(self) -> dict:
+        return {"scale_phase": self.phase, "last_error": None}
+
+
+def _removal(answer: object) -> tuple[object, FakeTokenizerManager, object]:
+    from sglang_elastic_ep.api.control_plane import InProcessControlPlane
     from sglang_elastic_ep.core.api_models import ScaleRequest
     from sglang_elastic_ep.core.validation import ScaleTopology
     from sglang_elastic_ep.sglang import http_adapter
@@ -99,10 +124,40 @@ def test_scaling_away_a_failed_rank_is_refused_with_its_reason() -> None:
         topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=3
     )
     plane.report_rank_failed([2], "process exited")
-    engine = http_adapter.UpstreamEngine(SimpleNamespace(attn_replica_size=1), [plane])
-    plane._engine = engine
-    answer = asyncio.run(plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="cut")))
+    tm = FakeTokenizerManager(answer)
+    plane._engine = http_adapter.UpstreamEngine(tm, [plane])
+
+    async def remove() -> object:
+        result = await plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="cut"))
+        for _ in range(50):  # the watcher commits within a few polls
+            if plane.status().current_operation is None:
+                break
+            await asyncio.sleep(0.05)
+        return result
+
+    return asyncio.run(remove()), tm, plane
+
+
+def test_removing_a_failed_tail_asks_only_the_live_schedulers_and_drains_nothing() -> None:
+    """vLLM's rule: with a failed rank inside the size, the one scale-down allowed removes
+    exactly it. Its scheduler cannot answer, so the request goes to the live ones only."""
+    ok = SimpleNamespace(success=True, message="failed ranks 2..2 removed",
+                         pending_ep_size=2, scale_phase="releasing")
+    answer, tm, plane = _removal(ok)
+    assert answer.status == 200, answer
+    assert tm.fan_outs == [2] and tm.asked == [2]  # asked once: no drain confirmation
+    status = plane.status()
+    assert status.effective_ep_size == 2, status
+    assert status.recent_operations[0].result == "succeeded", status
+    assert [r.state.value for r in status.ranks][:3] == ["active", "active", "safe_to_terminate"]
+
+
+def test_a_refused_removal_changes_nothing() -> None:
+    refused = SimpleNamespace(success=False, message="the survivors still hold rank 2's slot",
+                              pending_ep_size=None, scale_phase="serving_expanded")
+    answer, tm, plane = _removal(refused)
     assert answer.status == 422, answer
-    assert "relaunch it with --ep-join-mode recover" in answer.response.message
-    assert plane.status().effective_ep_size == 3
-    assert isinstance(EngineRefusal("x"), ValueError)
+    assert "still hold" in answer.response.message
+    assert tm.fan_outs == [2, 3]  # restored
+    status = plane.status()
+    assert status.effective_ep_size == 3 and status.ranks[2].state.value == "failed"

@@ -134,6 +134,7 @@ class InProcessControlPlane:
         self._membership = Membership(max_size=topology.max_ep_size, effective_size=initial_ep_size)
         self._health = RankHealthMonitor(range(initial_ep_size), health_config)
         self._health_snapshot: HealthResponse | None = None
+        self._placement: dict[int, list[int]] | None = None
         self._recovery_phase: Phase | None = None
         self._metrics = metrics
         # Guards membership, health and the recovery phase; never held across an await.
@@ -223,7 +224,20 @@ class InProcessControlPlane:
             status = self._registry.status(self._membership)
             if status.current_operation is None and self._recovery_phase is not None:
                 status = status.model_copy(update={"phase": self._recovery_phase})
-            return status
+            placement, effective = self._placement, self._membership.effective_size
+        if placement:
+            ranks = [
+                r.model_copy(update={"experts": placement.get(r.rank)})
+                if r.rank < effective else r
+                for r in status.ranks
+            ]
+            status = status.model_copy(update={"ranks": ranks})
+        return status
+
+    def report_expert_placement(self, experts_by_rank: Mapping[int, list[int]]) -> None:
+        """The engine's current placement (logical experts per rank), shown in the status."""
+        with self._lock:
+            self._placement = {int(r): list(e) for r, e in experts_by_rank.items()}
 
     def health(self) -> HealthResponse:
         with self._lock:

@@ -83,7 +83,9 @@ def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:
             os.killpg(pid, sig)  # the server was started in its own session: pgid == pid
         except (ProcessLookupError, PermissionError):
             pass
-        _, alive = psutil.wait_procs(procs, timeout=grace_s if sig == signal.SIGTERM else 5.0)
+        # A SIGKILLed scheduler can take seconds to exit on two busy cores (its address space
+        # is torn down, gigabytes of it): seen over 5 s.
+        _, alive = psutil.wait_procs(procs, timeout=grace_s if sig == signal.SIGTERM else 30.0)
         procs = [p for p in alive if not _is_zombie(p)]  # a zombie waits for its parent only
         if not procs:
             return

@@ -205,6 +205,11 @@ class RankState(str, enum.Enum):
 class RankStatus(_Strict):
     rank: int
     state: RankState
+    experts: list[int] | None = Field(
+        default=None,
+        description="Logical experts with a replica on this rank (first MoE layer), as the "
+        "engine last reported them; null when not reported or the rank serves none.",
+    )
 
 
 class PhaseTimestamp(_Strict):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sglang_elastic_ep.core.api_models import (
@@ -184,3 +184,74 @@ class RankHealthMonitor:
             ],
             experts=list(self._experts),
         )
+
+
+@dataclass(frozen=True)
+class ExpertTimings:
+    """Per-physical-expert compute time as the schedulers report it (rank 0 gathers them).
+
+    ``ns_per_row[p]`` is the recent compute time per token row of physical expert ``p`` (0: no
+    sample yet); ``rows[p]`` counts the rows it computed so far. Physical expert ``p`` lives on
+    rank ``p // local_slots`` (SGLang's layout)."""
+
+    local_slots: int
+    ns_per_row: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.local_slots < 1:
+            raise ValueError(f"local_slots must be >= 1, got {self.local_slots}")
+        if len(self.ns_per_row) != len(self.rows) or len(self.rows) % self.local_slots:
+            raise ValueError(
+                f"{len(self.ns_per_row)} latencies and {len(self.rows)} row counts for "
+                f"{self.local_slots} slots per rank"
+            )
+
+    def rank_of(self, physical_expert: int) -> int:
+        return physical_expert // self.local_slots
+
+    def for_monitor(self, ranks: Iterable[int]) -> tuple[dict[int, float | None], dict[int, int]]:
+        """(latency in seconds per row or None, rank) per physical expert of ``ranks``: the
+        ``expert_latency``/``expert_rank`` arguments of :meth:`RankHealthMonitor.observe`."""
+        wanted = set(ranks)
+        latency: dict[int, float | None] = {}
+        owner: dict[int, int] = {}
+        for p, ns in enumerate(self.ns_per_row):
+            rank = self.rank_of(p)
+            if rank not in wanted:
+                continue
+            owner[p] = rank
+            latency[p] = ns / 1e9 if ns > 0 and self.rows[p] > 0 else None
+        return latency, owner
+
+
+def blockable_ranks(
+    candidates: Iterable[int],
+    physical_to_logical: Sequence[int],
+    local_slots: int,
+    serving: Iterable[int],
+) -> tuple[frozenset[int], dict[int, list[int]]]:
+    """Which ``candidates`` can stop receiving tokens without an expert losing its last replica
+    among the ``serving`` ranks (one MoE layer's map; every layer has the same placement here).
+
+    Returns (blockable ranks, rank -> logical experts that only it would still serve) for the
+    ranks that cannot be blocked. Candidates are taken in order; each one blocked narrows what
+    the next may rely on."""
+    serving_now = set(serving)
+    blocked: set[int] = set()
+    kept: dict[int, list[int]] = {}
+
+    def logical_on(ranks: set[int]) -> set[int]:
+        return {e for p, e in enumerate(physical_to_logical)
+                if e >= 0 and p // local_slots in ranks}
+
+    for rank in sorted(set(candidates)):
+        if rank not in serving_now:
+            continue
+        without = serving_now - blocked - {rank}
+        lost = sorted(logical_on(serving_now - blocked) - logical_on(without))
+        if lost:
+            kept[rank] = lost
+        else:
+            blocked.add(rank)
+    return frozenset(blocked), kept

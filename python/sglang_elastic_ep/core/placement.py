@@ -275,3 +275,16 @@ def uncovered_experts(
         if gone:
             missing[layer] = gone
     return missing
+
+
+def experts_per_rank(physical_to_logical: Sequence[int], local_slots: int) -> dict[int, list[int]]:
+    """Logical experts with a replica on each rank, from one MoE layer's physical->logical map
+    (physical expert ``p`` lives on rank ``p // local_slots``)."""
+    if local_slots < 1:
+        raise ValueError(f"local_slots must be >= 1, got {local_slots}")
+    ranks: dict[int, set[int]] = {}
+    for p, logical in enumerate(physical_to_logical):
+        held = ranks.setdefault(p // local_slots, set())
+        if logical != EMPTY:
+            held.add(int(logical))
+    return {rank: sorted(held) for rank, held in sorted(ranks.items())}

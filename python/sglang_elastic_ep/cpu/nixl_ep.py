@@ -49,6 +49,7 @@ def run_moe_core(original: Callable, layer: Any, dispatch_output: Any) -> Any:
     from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput
 
     from sglang_elastic_ep.backends.nixl_cpu.moe_runner import run_deepep_ll
+    from sglang_elastic_ep.cpu.expert_timing import expert_timer
 
     out = run_deepep_ll(
         dispatch_output,
@@ -57,6 +58,7 @@ def run_moe_core(original: Callable, layer: Any, dispatch_output: Any) -> Any:
         activation=layer.moe_runner_config.activation,
         w13_bias=getattr(layer, "w13_weight_bias", None),
         w2_bias=getattr(layer, "w2_weight_bias", None),
+        on_expert_done=expert_timer().record,  # per-expert latency for the health monitor
     )
     return DeepEPLLCombineInput(
         hidden_states=out.hidden_states, topk_ids=out.topk_ids, topk_weights=out.topk_weights

@@ -28,6 +28,18 @@ EXTRA_FLAGS: dict[str, tuple[str, Any, type, str]] = {
         "elastic_ep_fault_window", None, float,
         "Mooncake fault-reconciliation window in seconds (Mooncake's default when unset)",
     ),
+    "--elastic-ep-slow-expert-threshold": (
+        "elastic_ep_slow_expert_threshold", 3.0, float,
+        "an expert is slow when its time per token exceeds this multiple of the median expert's",
+    ),
+    "--elastic-ep-slow-expert-checks": (
+        "elastic_ep_slow_expert_checks", 10, int,
+        "consecutive health checks with most of a rank's experts slow before it is blocked",
+    ),
+    "--elastic-ep-health-interval": (
+        "elastic_ep_health_interval", 2.0, float,
+        "seconds between expert-latency health checks (0 turns them off)",
+    ),
     "--elastic-ep-webhook-url": (
         "elastic_ep_webhook_url", None, str,
         "URL that receives elastic EP events as JSON POSTs (retried with backoff)",
@@ -82,6 +94,15 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
             if value <= 0:
                 raise ValueError(f"{env}: Mooncake timeouts must be positive seconds, got {value}")
             os.environ[env] = str(value)
+    from sglang_elastic_ep.core.health import HealthConfig
+
+    HealthConfig(  # bad thresholds are a startup error, not a failure in the HTTP process
+        latency_threshold=server_args.elastic_ep_slow_expert_threshold,
+        persistence_threshold=server_args.elastic_ep_slow_expert_checks,
+    )
+    if server_args.elastic_ep_health_interval < 0:
+        raise ValueError("--elastic-ep-health-interval must be >= 0 seconds (0: off), got "
+                         f"{server_args.elastic_ep_health_interval}")
     server_args.ep_join_mode = join_mode_for_slot(
         resolve_join_mode(getattr(server_args, "ep_join_mode", None),
                           server_args.eep_join_mode_alias),

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from sglang_elastic_ep.sglang import expert_health
 from sglang_elastic_ep.sglang import nixl_buffer_hooks as _nixl
 from sglang_elastic_ep_kernels import select_physical_experts
 
@@ -94,19 +95,92 @@ def _route_live(topk_ids: torch.Tensor, physical: torch.Tensor, info: Any) -> to
     device = topk_ids.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     table = info.partial_logical_to_all_physical_map
+    counts = info.partial_logical_to_all_physical_map_num_valid
+    full = _full_replicas(metadata, getattr(info, ELASTIC_LAYER_ATTR, None), device, capturing)
+    if full is not None:  # every replica, not only this rank's nearest one
+        table, counts = full
     width = _replica_width(table, info.num_physical_experts)
     slot_to_rank = _slot_to_rank(
         info.num_physical_experts, metadata.num_local_physical_experts, device, capturing
     )
-    return route_around_inactive_ranks(
+    routed = route_around_inactive_ranks(
         topk_ids,
         physical,
         table[:, :width],
-        info.partial_logical_to_all_physical_map_num_valid,
+        counts,
         slot_to_rank,
-        state.active_ranks,
+        expert_health.routable_ranks(state.active_ranks),  # slow ranks blocked like dead ones
         dropped_counter=_dropped_counter(device, capturing),
     )
+    if expert_health.blocked_ranks():
+        # A blocked rank is slow, not dead: where its expert has no replica elsewhere, keep
+        # the pick (slow beats dropped). Only while ranks are blocked; never on GPUs today.
+        live = route_around_inactive_ranks(
+            topk_ids, physical, table[:, :width], counts, slot_to_rank, state.active_ranks
+        )
+        routed = torch.where((routed < 0) & (live >= 0), live, routed)
+    return routed
+
+
+ELASTIC_LAYER_ATTR = "elastic_ep_layer_id"
+
+
+def dispatch_info_with_layer(
+    original_fn: Any, cls: Any, layer_id: int, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``ExpertLocationDispatchInfo.init_new``: remember the layer, so the repair step
+    can use the layer's full replica list (upstream's list is collapsed to this rank's nearest
+    replica with an a2a backend; a dead or blocked rank's replica then has no alternative)."""
+    info = original_fn(cls, layer_id, *args, **kwargs)
+    if info is not None and _nixl.elastic_ep_enabled():
+        setattr(info, ELASTIC_LAYER_ATTR, int(layer_id))
+    return info
+
+
+# device -> (the metadata it was built from, table, counts); the reference keeps the metadata
+# alive, so a new metadata can never reuse the old one's id.
+_full_replica_cache: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+
+def full_replica_table(physical_to_logical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[layers, logical, R]`` physical replicas of each logical expert (-1 padded, in slot
+    order) and ``[layers, logical]`` counts, from the ``[layers, physical]`` map."""
+    p2l = physical_to_logical.to("cpu", torch.int64)
+    layers, num_physical = p2l.shape
+    num_logical = int(p2l.max().item()) + 1 if p2l.numel() else 0
+    replicas = [[[] for _ in range(num_logical)] for _ in range(layers)]
+    for layer in range(layers):
+        for slot, logical in enumerate(p2l[layer].tolist()):
+            if logical >= 0:
+                replicas[layer][logical].append(slot)
+    width = max((len(r) for row in replicas for r in row), default=1)
+    table = torch.full((layers, num_logical, width), -1, dtype=torch.int64)
+    counts = torch.zeros((layers, num_logical), dtype=torch.int64)
+    for layer, row in enumerate(replicas):
+        for logical, slots in enumerate(row):
+            counts[layer, logical] = len(slots)
+            if slots:
+                table[layer, logical, : len(slots)] = torch.tensor(slots)
+    return table, counts
+
+
+def _full_replicas(
+    metadata: Any, layer: int | None, device: torch.device, capturing: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if layer is None:
+        return None
+    key = str(device)
+    cached = _full_replica_cache.get(key)
+    if cached is None or cached[0] is not metadata:
+        if capturing:
+            return None  # built outside capture on the first eager pass
+        table, counts = full_replica_table(metadata.physical_to_logical_map)
+        cached = (metadata, table.to(device), counts.to(device))
+        _full_replica_cache[key] = cached
+    _, table, counts = cached
+    if layer >= table.shape[0]:
+        return None
+    return table[layer], counts[layer]
 
 
 # ------------------------------------------------------------------- tensor logic (no SGLang)
@@ -313,6 +387,7 @@ def reset_caches() -> None:
     """Forget the cached tables and counters (tests; a new engine in the same process)."""
     _slot_to_rank_cache.clear()
     _dropped_counters.clear()
+    _full_replica_cache.clear()
 
 
 def _warn_once(key: str, message: str) -> None:

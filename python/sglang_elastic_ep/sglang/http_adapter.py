@@ -16,6 +16,7 @@ from typing import Any
 
 from sglang_elastic_ep.api.control_plane import EngineRefusal, InProcessControlPlane
 from sglang_elastic_ep.core.api_models import OperationKind
+from sglang_elastic_ep.core.health import HealthConfig
 from sglang_elastic_ep.core.operations import Operation
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.routing import LiveShardRouter
@@ -83,7 +84,9 @@ class UpstreamEngine:
     A scale-up is upstream's. A scale-down first stops routing to the leaving shards (here, in
     the tokenizer's router), then hands the request to the schedulers, which commit it once
     the leaving shards hold no request (sglang/scale_down.py); requests still running there
-    after ``--elastic-ep-drain-timeout`` are ended with 503 and a message."""
+    after ``--elastic-ep-drain-timeout`` are ended with 503 and a message. A scale-down that
+    removes failed ranks (the only one validation admits while they are failed) asks only the
+    live schedulers and drains nothing (sglang/tail_recovery.py)."""
 
     def __init__(self, tokenizer_manager: Any, plane_ref: list[InProcessControlPlane]) -> None:
         self._tm = tokenizer_manager
@@ -102,33 +105,42 @@ class UpstreamEngine:
         from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
 
         leaving: frozenset[int] = frozenset()
+        drain = False
         if op.kind is OperationKind.SCALE_DOWN:
-            dead = sorted(self._plane_ref[0].membership.failed & frozenset(op.ranks))
-            if dead:  # its scheduler cannot answer, drain or commit
-                raise EngineRefusal(
-                    f"ranks {dead} have failed: removing a failed rank by scale-down is not "
-                    "built yet; relaunch it with --ep-join-mode recover first"
-                )
             leaving = self._leaving_shards(op)
-            _router.leaving = leaving  # stop new work first
+            # Validation admits a scale-down over failed ranks only when it removes exactly
+            # them: nothing of theirs is left to drain, and their schedulers cannot answer.
+            removing_failed = bool(self._plane_ref[0].membership.failed & frozenset(op.ranks))
+            drain = not removing_failed
+            if removing_failed:
+                replica = int(getattr(self._tm, "attn_replica_size", 1) or 1)
+                self._tm.update_control_communicator_fan_out(op.new_ep_size // replica)
+            else:
+                _router.leaving = leaving  # stop new work first
         try:
             result = await asyncio.wait_for(
                 self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)),
                 SCHEDULER_ANSWER_TIMEOUT_S,
             )
         except asyncio.TimeoutError:
-            _router.leaving = frozenset()
+            self._undo(op, drain)
             raise RuntimeError(
                 f"the schedulers did not answer within {SCHEDULER_ANSWER_TIMEOUT_S:g} s"
             ) from None
         if not result.success:
-            _router.leaving = frozenset()
+            self._undo(op, drain)
             if op.kind is OperationKind.SCALE_DOWN:
                 raise EngineRefusal(result.message)
             raise RuntimeError(result.message)
-        task = asyncio.get_running_loop().create_task(self._watch(op, leaving))
+        task = asyncio.get_running_loop().create_task(self._watch(op, leaving, drain))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
+
+    def _undo(self, op: Operation, drain: bool) -> None:
+        """A refused or unanswered request changes nothing here either."""
+        _router.leaving = frozenset()
+        if op.kind is OperationKind.SCALE_DOWN and not drain:
+            self._tm.update_control_communicator_fan_out(self._tm.elastic_worker_count)
 
     @property
     def _drain_timeout_s(self) -> float:
@@ -158,11 +170,11 @@ class UpstreamEngine:
         if refused:
             raise RuntimeError(f"drain confirmation refused: {refused[0]}")
 
-    async def _watch(self, op: Operation, leaving: frozenset[int]) -> None:
+    async def _watch(self, op: Operation, leaving: frozenset[int], drain: bool) -> None:
         plane = self._plane_ref[0]
         operation_id = op.operation_id
-        drain_deadline = time.monotonic() + self._drain_timeout_s if leaving else None
-        draining = bool(leaving)
+        draining = drain and bool(leaving)
+        drain_deadline = time.monotonic() + self._drain_timeout_s if draining else None
         last = None
         while True:
             state = self._tm.get_elastic_ep_state()
@@ -272,6 +284,76 @@ def route_to_live_shard(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: 
     _router.track(shard, obj.rid, tokenizer_manager.rid_to_state)
 
 
+HEALTH_ANSWER_TIMEOUT_S = 10.0
+_cannot_block: set[int] = set()
+
+
+async def poll_expert_health(tokenizer_manager: Any, plane: InProcessControlPlane) -> None:
+    """One health check from rank 0's gathered expert timings (sglang/expert_health.py): the
+    monitor marks slow experts and hard-blocks a rank after enough slow checks
+    (``recovery_required``); such a rank is then blocked in the data plane, where every expert
+    it serves has a replica on another serving rank."""
+    from sglang.srt.managers.io_struct import SetInternalStateReq
+
+    from sglang_elastic_ep.core.health import ExpertTimings, blockable_ranks
+    from sglang_elastic_ep.core.placement import experts_per_rank
+    from sglang_elastic_ep.sglang.expert_health import BLOCKED_RANKS_KEY, REPORT_KEY
+
+    tm = tokenizer_manager
+    states = await asyncio.wait_for(tm.get_internal_state(), HEALTH_ANSWER_TIMEOUT_S)
+    report = next((s[REPORT_KEY] for s in states if isinstance(s, dict) and REPORT_KEY in s),
+                  None)
+    if report is None or not report.get("local_slots"):
+        return
+    timings = ExpertTimings(local_slots=int(report["local_slots"]),
+                            ns_per_row=tuple(report["ns_per_row"]), rows=tuple(report["rows"]))
+    plane.report_expert_placement(
+        experts_per_rank(report["physical_to_logical"], timings.local_slots)
+    )
+    m = plane.membership
+    ranks = [r for r in range(m.effective_size) if r not in m.leaving]
+    serving = [r for r in ranks if r not in m.failed]
+    latency, owner = timings.for_monitor(ranks)
+    plane.observe_health(alive={r: r not in m.failed for r in ranks},
+                         expert_latency=latency, expert_rank=owner)
+    slow = [r.rank for r in plane.health().ranks if r.hard_blocked and r.rank in serving]
+    blocked, kept = blockable_ranks(slow, report["physical_to_logical"],
+                                    timings.local_slots, serving)
+    for rank, experts in kept.items():
+        if rank not in _cannot_block:
+            _cannot_block.add(rank)
+            logger.warning("elastic EP: rank %d has slow experts but stays in use: logical "
+                           "experts %s have no replica on another serving rank", rank, experts)
+    mask = sum(1 << r for r in blocked)
+    if mask != int(report.get("blocked_ranks_mask", 0)):
+        await asyncio.wait_for(
+            tm.set_internal_state(SetInternalStateReq(server_args={BLOCKED_RANKS_KEY: mask})),
+            HEALTH_ANSWER_TIMEOUT_S,
+        )
+        logger.warning("elastic EP: ranks %s blocked for slow experts (data plane)",
+                       sorted(blocked))
+
+
+def _start_health_poller(tokenizer_manager: Any, plane: InProcessControlPlane,
+                         interval_s: float) -> None:
+    """Polls on the tokenizer's event loop (where its communicators live), from a thread."""
+
+    def poll() -> None:
+        while True:
+            time.sleep(interval_s)
+            loop = getattr(tokenizer_manager, "event_loop", None)
+            if loop is None:
+                continue  # the first request creates it
+            try:
+                asyncio.run_coroutine_threadsafe(
+                    poll_expert_health(tokenizer_manager, plane), loop
+                ).result(timeout=3 * HEALTH_ANSWER_TIMEOUT_S)
+            except Exception:  # a missed check is retried at the next interval
+                logger.debug("elastic EP: expert health poll failed", exc_info=True)
+
+    threading.Thread(target=poll, name="elastic-ep-health", daemon=True).start()
+
+
 METRICS_REFRESH_S = 5.0
 
 
@@ -310,10 +392,18 @@ def mount_on_server(result: Any, global_state: Any) -> None:
     plane = InProcessControlPlane(
         topology=topology, initial_ep_size=ep_size, engine=UpstreamEngine(tm, ref),
         metrics=metrics,
+        health_config=HealthConfig(
+            latency_threshold=float(getattr(server_args, "elastic_ep_slow_expert_threshold",
+                                            3.0)),
+            persistence_threshold=int(getattr(server_args, "elastic_ep_slow_expert_checks", 10)),
+        ),
     )
     ref.append(plane)
     if metrics is not None:
         _start_metrics_refresher(plane)
+    interval = float(getattr(server_args, "elastic_ep_health_interval", 2.0))
+    if interval > 0:
+        _start_health_poller(tm, plane, interval)
     mount_elastic_ep(
         http_server.app,
         plane,

@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from sglang_elastic_ep.core.placement import uncovered_experts
+from sglang_elastic_ep.sglang import tail_recovery
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     manager = _state_manager()
     state = manager.instance()
     new = int(recv_req.new_ep_size)
+    if state is not None and new == state.effective_ep_size \
+            and tail_recovery.awaiting_replacement() is not None:
+        return tail_recovery.remove_failed_slots(scheduler, state, new)
     if state is None or new >= state.effective_ep_size:
         return original(scheduler, recv_req)
     from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput

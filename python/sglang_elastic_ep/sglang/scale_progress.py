@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
 from sglang_elastic_ep.cpu.idle import parked_during_idle
-from sglang_elastic_ep.sglang import tail_recovery
+from sglang_elastic_ep.sglang import expert_health, tail_recovery
 from sglang_elastic_ep.sglang.scale_down import finalize_scale_down, is_shrink, ready_to_shrink
 
 logger = logging.getLogger(__name__)
@@ -182,8 +182,12 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         ready = _ready_target(state, target)
     skew = _readiness_skew()
     ready = skew.apply(ready)
-    reduced = torch.tensor([ready, -ready, target], dtype=torch.int64)
+    # Expert timings ride along (expert_health): no collective of their own.
+    timings = expert_health.local_contribution(runner._elastic_global_rank(),
+                                               int(state.active_ranks.numel()))
+    reduced = torch.tensor([ready, -ready, target, *timings], dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    expert_health.take_gathered(reduced[3:].tolist())
     verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
     if verdict is LockstepVerdict.WAIT:
         return None

@@ -186,3 +186,31 @@ def world_gather_width(original: Any, num_dp_ranks: int, **kwargs: Any) -> int:
         from sglang.srt.layers.dp_attention import dp_gather_width
 
         return dp_gather_width()
+
+
+def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
+    """A scale-down to the size the survivors already serve on (after letting go of a failed
+    tail): the orchestrator removes the failed ranks instead of replacing them. Nothing moves;
+    the HTTP process is told to shrink and no replacement is awaited any more."""
+    global _return_to
+    from sglang.srt.elastic_ep.topology import attn_replica_size, physical_ep_size_to_dp_size
+    from sglang.srt.managers.io_struct import ElasticScaleUpdateReq, ScaleElasticEPReqOutput
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    old, _return_to = _return_to, None
+    state.scale_phase = "serving_contracted"
+    state.last_error = None
+    runner = scheduler.tp_worker.model_runner
+    if get_parallel().tp_rank == 0 and not get_exec().moe.is_ep_scale_joiner:
+        runner._pending_elastic_scale_update = ElasticScaleUpdateReq(
+            success=True, effective_ep_size=new_ep_size,
+            slot_offset=physical_ep_size_to_dp_size(new_ep_size, attn_replica_size()),
+            slot_count=0,
+        )
+    logger.info("[elastic-ep] failed ranks %d..%d removed by scale-down: serving on %d ranks",
+                new_ep_size, old - 1, new_ep_size)
+    return ScaleElasticEPReqOutput(
+        success=True, message=f"failed ranks {new_ep_size}..{old - 1} removed",
+        old_ep_size=old, new_ep_size=new_ep_size, pending_ep_size=new_ep_size,
+        scale_phase="releasing",
+    )

@@ -121,4 +121,6 @@ def test_status_response_serialises_rank_states() -> None:
         RankState.FAILED,
         RankState.INACTIVE,
     ]
-    assert json.loads(status.model_dump_json())["ranks"][1] == {"rank": 1, "state": "failed"}
+    assert json.loads(status.model_dump_json())["ranks"][1] == {
+        "rank": 1, "state": "failed", "experts": None,
+    }

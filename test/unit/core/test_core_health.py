@@ -3,8 +3,10 @@ import math
 import pytest
 
 from sglang_elastic_ep.core.health import (
+    ExpertTimings,
     HealthConfig,
     RankHealthMonitor,
+    blockable_ranks,
     classify_expert_latency,
 )
 
@@ -119,3 +121,43 @@ def test_set_ranks_keeps_old_records_and_adds_new() -> None:
 def test_bad_config_is_rejected(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         HealthConfig(**kwargs)
+
+
+def test_expert_timings_map_slots_to_ranks_and_skip_unmeasured() -> None:
+    timings = ExpertTimings(local_slots=2, ns_per_row=(1000, 0, 3000, 5000, 7000, 9000),
+                            rows=(4, 0, 2, 2, 1, 0))
+    latency, owner = timings.for_monitor([0, 1])  # rank 2 (slots 4, 5) not asked for
+    assert owner == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert latency == {0: 1e-6, 1: None, 2: 3e-6, 3: 5e-6}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"local_slots": 0, "ns_per_row": (), "rows": ()},
+    {"local_slots": 2, "ns_per_row": (1, 2), "rows": (1,)},
+    {"local_slots": 2, "ns_per_row": (1, 2, 3), "rows": (1, 1, 1)},
+])
+def test_inconsistent_timings_are_rejected(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        ExpertTimings(**kwargs)
+
+
+def test_a_slow_rank_whose_experts_have_replicas_elsewhere_can_be_blocked() -> None:
+    # 3 ranks x 2 slots; logical experts 0..1 on every rank
+    p2l = [0, 1, 0, 1, 0, 1]
+    blocked, kept = blockable_ranks([2], p2l, local_slots=2, serving=[0, 1, 2])
+    assert blocked == frozenset({2}) and kept == {}
+
+
+def test_a_rank_holding_the_last_replica_is_kept_in_use() -> None:
+    p2l = [0, 1, 0, 1, 2, 3]  # experts 2 and 3 only on rank 2
+    blocked, kept = blockable_ranks([2], p2l, local_slots=2, serving=[0, 1, 2])
+    assert blocked == frozenset() and kept == {2: [2, 3]}
+
+
+def test_blocking_one_rank_narrows_what_the_next_may_rely_on() -> None:
+    p2l = [0, 1, 0, 1, 2, 3, 2, 3]  # ranks 0,1: experts 0,1; ranks 2,3: experts 2,3
+    blocked, kept = blockable_ranks([1, 0], p2l, local_slots=2, serving=[0, 1, 2, 3])
+    assert blocked == frozenset({0}) and kept == {1: [0, 1]}
+    # a failed (not serving) rank is not blocked here: the data plane already skips it
+    blocked, kept = blockable_ranks([3], p2l, local_slots=2, serving=[0, 1, 2])
+    assert blocked == frozenset() and kept == {}

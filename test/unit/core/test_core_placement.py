@@ -303,3 +303,11 @@ def test_uncovered_experts_lists_what_the_staying_slots_lack_per_layer() -> None
     assert uncovered_experts([[0, EMPTY, 1]], slots=1) == {0: [1]}
     with pytest.raises(ValueError, match="slots"):
         uncovered_experts(p2l, slots=-1)
+
+
+def test_experts_per_rank_from_one_layers_map() -> None:
+    from sglang_elastic_ep.core.placement import experts_per_rank
+
+    assert experts_per_rank([3, 1, 1, -1, 0, 2], local_slots=2) == {0: [1, 3], 1: [1], 2: [0, 2]}
+    with pytest.raises(ValueError):
+        experts_per_rank([0], local_slots=0)

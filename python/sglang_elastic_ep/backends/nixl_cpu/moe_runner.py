@@ -13,13 +13,16 @@ Pure torch; no SGLang import.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import fp8 as fp8_mod
+
+ExpertDone = Callable[[int, int, float], None]  # (local expert, rows, seconds)
 
 
 def _act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -62,6 +65,7 @@ def run_packed_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    on_expert_done: ExpertDone | None = None,
 ) -> torch.Tensor:
     """Experts on the packed layout.
 
@@ -73,6 +77,8 @@ def run_packed_experts(
         hidden_states_scale: ``[E, M, hidden / 128]`` fp8 scales (nixl_ep fp8 dispatch).
         out_dtype: dtype of the result (default: the weights' dtype for fp8 input, else the
             input's).
+        on_expert_done: called after each local expert that had rows, with (local expert, rows,
+            seconds it took): per-expert latency for the health monitor.
 
     Returns ``[E, M, hidden]``: expert outputs in the first ``masked_m[e]`` rows, zeros after.
     """
@@ -93,6 +99,7 @@ def run_packed_experts(
             continue
         if n > m:
             raise ValueError(f"masked_m[{e}]={n} exceeds the layout's {m} rows")
+        started = time.perf_counter() if on_expert_done is not None else 0.0
         x = hidden_states[e, :n]
         if fp8:
             assert hidden_states_scale is not None
@@ -106,6 +113,8 @@ def run_packed_experts(
             w2_bias=None if w2_bias is None else w2_bias[e],
         )
         out[e, :n] = y.to(out.dtype)
+        if on_expert_done is not None:
+            on_expert_done(e, n, time.perf_counter() - started)
     return out
 
 
@@ -125,6 +134,7 @@ def run_deepep_ll(
     activation: str = "silu",
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    on_expert_done: ExpertDone | None = None,
 ) -> PackedCombineInput:
     """Experts on a ``DeepEPLLDispatchOutput`` (what SGLang's nixl dispatcher returns:
     ``hidden_states, hidden_states_scale, topk_ids, topk_weights, masked_m, expected_m``);
@@ -139,6 +149,7 @@ def run_deepep_ll(
         activation=activation,
         w13_bias=w13_bias,
         w2_bias=w2_bias,
+        on_expert_done=on_expert_done,
     )
     return PackedCombineInput(out, topk_ids, topk_weights)
 
