@@ -99,6 +99,10 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.tail_recovery:world_gather_width", "AROUND", "all",
          "a scale-joined rank's death shrinks WORLD under the DP gather; upstream raises and "
          "kills every scheduler"),
+    Hook(f"{S}managers.scheduler_components.dp_attn.MLPSyncBatchInfo.all_gather",
+         "sglang.tail_recovery:gather_masks_expanded_world", "AROUND", "all",
+         "over the expanded WORLD a dead joiner's row must be blanked with WORLD's mask; "
+         "upstream uses the launch-time TP group's, which has no entry for it"),
     Hook(f"{EEP}.maybe_rebalance_after_rank_fault",
          "sglang.scale_progress:rebalance_after_rank_fault", "AROUND", "all",
          "without --enable-eplb upstream dereferences a None EPLB manager on a rank fault"),

@@ -179,9 +179,12 @@ def world_gather_width(original: Any, num_dp_ranks: int, **kwargs: Any) -> int:
         return original(num_dp_ranks, **kwargs)
     except RuntimeError:
         state = _state_manager().instance()
-        if state is None or state.active_ranks is None:
+        group = kwargs.get("group")
+        if state is None or group is None:
             raise
-        if not any(not a for a in _live_mask(state)[: state.effective_ep_size]):
+        # Mooncake shrank WORLD below the effective size: a member died. (Its entry in
+        # active_ranks may clear a moment later: Mooncake's view changes first.)
+        if dist.get_world_size(group) >= state.effective_ep_size:
             raise
         from sglang.srt.layers.dp_attention import dp_gather_width
 
@@ -214,3 +217,28 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
         old_ep_size=old, new_ep_size=new_ep_size, pending_ep_size=new_ep_size,
         scale_phase="releasing",
     )
+
+
+def gather_masks_expanded_world(
+    original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool = False
+) -> Any:
+    """AROUND ``dp_attn.MLPSyncBatchInfo.all_gather``: upstream blanks the rows of inactive
+    ranks with the launch-time TP group's mask, which has no entry for a rank that joined by
+    scale-up. Over the expanded WORLD (``use_all_reduce``) the mask is WORLD's own
+    (``ElasticEPState.active_ranks``, which Mooncake clears when a rank dies). Seen without it:
+    a joiner killed during the gather left a garbage token count in its row, and a survivor
+    died building an idle batch of 32622 tokens."""
+    state = _state_manager().instance() if use_all_reduce else None
+    if state is None or state.active_ranks is None:
+        return original(info, device, group, use_all_reduce)
+    from sglang.srt.runtime_context import get_parallel
+
+    tp_group = get_parallel().tp_group
+    saved = (tp_group.active_ranks, tp_group.active_ranks_cpu)
+    world = state.active_ranks
+    tp_group.active_ranks_cpu = world if world.device.type == "cpu" else world.cpu()
+    tp_group.active_ranks = world
+    try:
+        return original(info, device, group, use_all_reduce)
+    finally:
+        tp_group.active_ranks, tp_group.active_ranks_cpu = saved
