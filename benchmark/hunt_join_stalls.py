@@ -28,7 +28,9 @@ def dump_schedulers(out: Path, tag: str) -> None:
         f.write(f"===== {tag} {time.ctime()}\n")
         for proc in psutil.process_iter(["pid", "cmdline"]):
             title = " ".join(proc.info["cmdline"] or [])
-            if title.startswith("sglang::scheduler"):
+            # schedulers, the DP controller, and the servers' main processes (tokenizer, HTTP)
+            if title.startswith(("sglang::scheduler", "sglang::data_parallel")) \
+                    or "sglang.launch_server" in title:
                 spy = subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)],
                                      capture_output=True, text=True, timeout=60)
                 f.write(f"--- {proc.pid} {title}\n{spy.stdout[:3000]}\n")

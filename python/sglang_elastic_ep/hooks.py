@@ -112,6 +112,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{S}managers.scheduler.Scheduler.set_internal_state",
          "sglang.expert_health:take_blocked_ranks", "AROUND", "all",
          "the HTTP process blocks ranks with slow experts; upstream rejects unknown keys"),
+    Hook(f"{S}managers.data_parallel_controller.sock_send",
+         "sglang.worker_sends:send_to_worker", "AROUND", "all",
+         "a PUSH send to a dead joiner's slot blocks the DP controller (and all serving) "
+         "forever; send non-blocking and drop, the tokenizer 503s what that shard held"),
     # --- orchestrator contract ---------------------------------------------------------
     Hook(f"{S}entrypoints.http_server.set_global_state", "sglang.http_adapter:mount_on_server",
          "AFTER", "all",

@@ -234,6 +234,12 @@ class LocalCluster:
             self._taken.update(range(port + derived_offset, port + derived_offset + length))
         return port
 
+    def _nccl_port_args(self) -> list[str]:
+        """SGLang otherwise picks a random free port for NCCL/Gloo, which can be the
+        dist-init port + 1 that the same server binds next ("port_base ... is used by a
+        process already": its own). Seen once in a hunt run."""
+        return ["--nccl-port", str(self._take_port())]
+
     @property
     def url(self) -> str:
         assert self.primary is not None, "cluster not started"
@@ -241,7 +247,7 @@ class LocalCluster:
 
     def start(self, wait: bool = True) -> LocalCluster:
         port = self._take_port()
-        args = base_server_args(self.spec, port)
+        args = base_server_args(self.spec, port) + self._nccl_port_args()
         if self.spec.elastic or self.spec.nodes > 1:
             args += ["--dist-init-addr", f"127.0.0.1:{self.dist_port}"]
         if self.spec.nodes > 1:
@@ -266,7 +272,7 @@ class LocalCluster:
         if old is not None and old.alive():
             raise RuntimeError(f"node {node} is still running (pid {old.pid})")
         port = self._take_port()
-        args = base_server_args(self.spec, port) + [
+        args = base_server_args(self.spec, port) + self._nccl_port_args() + [
             "--dist-init-addr", f"127.0.0.1:{self.dist_port}",
             "--nnodes", str(self.spec.nodes), "--node-rank", str(node),
         ]
@@ -299,7 +305,7 @@ class LocalCluster:
         if mode not in ("scale", "recover"):
             raise ValueError(f"join mode must be 'scale' or 'recover', got {mode!r}")
         port = self._take_port(derived_offset=JOINER_PORT_DELTA)
-        args = base_server_args(self.spec, port)
+        args = base_server_args(self.spec, port) + self._nccl_port_args()
         args[args.index("--tp") + 1] = str(size)
         args[args.index("--ep") + 1] = str(size)
         args[args.index("--dp") + 1] = str(size)
