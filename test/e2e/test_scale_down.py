@@ -55,6 +55,20 @@ def grow_to_3(cluster: LocalCluster, operation_id: str) -> None:
 
 
 @pytest.mark.timeout(1500)
+def wait_experts_reported(url: str, ranks: int, timeout_s: float) -> list[list[int]]:
+    """The logical experts of ranks ``0..ranks-1`` once the status reports them for exactly
+    that many ranks (the health poll refreshes the placement every 2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = read_status(url)
+        experts = [r["experts"] for r in status["ranks"]]
+        if all(e is not None for e in experts[:ranks]) and \
+                all(e is None for e in experts[ranks:]) and status["effective_ep_size"] == ranks:
+            return experts[:ranks]
+        assert time.monotonic() < deadline, f"experts of {ranks} ranks not reported: {status}"
+        time.sleep(1.0)
+
+
 def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
                        extra_args=["--elastic-ep-drain-timeout", "60"])
@@ -75,6 +89,10 @@ def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
             grow_to_3(cluster, "grow-to-3")
             joiner = cluster.joiners[-1]
             time.sleep(3.0)  # load on three shards
+            # The scale-up placed experts on the new rank (the status shows each rank's).
+            placed = wait_experts_reported(url, ranks=3, timeout_s=60)
+            assert placed[2], placed
+            assert set().union(*placed) == set(range(16)), placed
 
             # A long request running on shard 2: the drain must wait for it to finish.
             with ThreadPoolExecutor(1) as pool:
@@ -101,6 +119,10 @@ def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
             assert [r["state"] for r in status["ranks"][:3]] == [
                 "active", "active", "safe_to_terminate"
             ], status
+            # The plan: the staying ranks keep exactly their slots, and they hold every expert.
+            assert wait_experts_reported(url, ranks=2, timeout_s=60) == placed[:2]
+            assert set().union(*placed[:2]) == set(range(16)), placed
+            assert read_status(url)["ranks"][2]["experts"] is None
             assert joiner.wait_exit(EXIT_TIMEOUT_S) == 0, joiner.log_tail()
             time.sleep(3.0)  # load on two shards again
 
