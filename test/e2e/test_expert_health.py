@@ -6,7 +6,7 @@ Three launch ranks (NIXL EP), every logical expert on every rank (``--ep-num-red
 2's experts really take 200x as long (``SGLANG_EEP_TEST_SLOW_EXPERTS=2:200``: it sleeps the
 difference). Under a steady load the HTTP
 process's health check (every second, from rank 0's gathered expert timings) marks rank 2's
-experts slow; after 12 slow checks the rank is hard-blocked (``recovery_required`` names it and
+experts slow; after 25 slow checks the rank is hard-blocked (``recovery_required`` names it and
 says why) and its slots are skipped by the expert dispatch: tokens go to the replicas on ranks
 0 and 1, which the faster completions show.
 """
@@ -26,7 +26,7 @@ from sglang_elastic_ep.cluster.observe import status as read_status
 from sglang_elastic_ep.cpu.expert_timing import ENV_TEST_SLOW_EXPERTS
 
 BLOCKED_S = 120
-WINDOW_S = 8.0  # the first one ends before the 12th slow check
+WINDOW_S = 8.0  # the first one ends long before the 25th slow check
 
 
 def wait_hard_blocked(url: str, rank: int, timeout_s: float) -> dict:
@@ -54,17 +54,21 @@ def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> N
         # run (and get timed); without it every token takes the first replica (rank 0's).
         extra_args=["--ep-num-redundant-experts", "32", "--ep-dispatch-algorithm", "static",
                     "--elastic-ep-health-interval", "1",
-                    "--elastic-ep-slow-expert-checks", "12",
+                    "--elastic-ep-slow-expert-checks", "25",
                     "--elastic-ep-slow-expert-threshold", "5"],
     )
     cluster = LocalCluster(spec)
     cluster.env[ENV_TEST_SLOW_EXPERTS] = "2:200"
     with cluster:
         url = cluster.url
-        reference = greedy_reference(url)
+        # The load starts the slow checks (rank 2's experts get their first samples), so the
+        # first window ends long before the 25th slow check; the reference is taken at the
+        # end: outputs must not depend on which replica served a token.
         load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
         try:
-            slow_rate = completions_in(load, WINDOW_S)  # before the monitor has decided
+            slow_rate = completions_in(load, WINDOW_S)
+            early = httpx.get(url + "/elastic_ep/health", timeout=30).json()["ranks"][2]
+            assert not early["hard_blocked"], early  # the window measured the slow rank
             health = wait_hard_blocked(url, 2, BLOCKED_S)
             time.sleep(3.0)  # the block reaches the schedulers
             fast_rate = completions_in(load, WINDOW_S)
@@ -73,15 +77,24 @@ def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> N
 
         failed = [r for r in results if not r.ok]
         assert not failed, failed[:3]
+        reference = greedy_reference(url)
         changed = [r for r in results if r.output_ids != reference[r.prompt]]
         assert not changed, changed[:3]
-        assert greedy_reference(url) == reference
 
         ranks = health["ranks"]
         assert ranks[2]["alive"] is True and ranks[2]["unhealthy_experts"], ranks[2]
         assert not ranks[0]["hard_blocked"] and not ranks[1]["hard_blocked"], ranks
-        slow = [e for e in health["experts"] if not e["healthy"]]
-        assert slow and {e["rank"] for e in slow} == {2}, slow
+        # Every expert of rank 2 is slow; on ranks 0 and 1 a single expert may cross the line
+        # now and then (two busy cores), never most of a rank's.
+        measured = [e for e in health["experts"] if e["latency_s"] is not None]
+        for rank in (0, 1, 2):
+            mine = [e for e in measured if e["rank"] == rank]
+            slow = [e for e in mine if not e["healthy"]]
+            assert mine, (rank, health["experts"])
+            if rank == 2:
+                assert len(slow) == len(mine), mine
+            else:
+                assert len(slow) < len(mine) / 2, mine
         assert health["median_latency_s"] > 0
 
         required = [e for e in sse_events(url) if e["type"] == "recovery_required"]
