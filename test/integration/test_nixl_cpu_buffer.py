@@ -314,7 +314,10 @@ def test_joiner_dying_in_its_first_handshake_does_not_hang_the_others(cluster_fa
     joiner.wait(timeout=10)
     report = cluster.get(W.store_key("res", 1, 0))
     assert report["mask"][1] == 1, report["mask"]
-    assert "refused handshake writes" in report["reasons"][1], report["reasons"]
+    # Killed after publishing its key: rank 0 either loaded its agent and then had its writes
+    # refused (masked with this reason), or could not load it at all (never connected).
+    reason = report["reasons"].get(1)
+    assert reason is None or "refused the handshake" in reason, report["reasons"]
     assert report["connect_s"] < gone_s + 20, report["connect_s"]  # connect timeout is 40 s
     x, ids, _ = W.phase_inputs(1, 0, 2, "fp32")
     assert report["fp32"]["out"].shape == x.shape

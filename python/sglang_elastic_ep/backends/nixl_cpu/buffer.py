@@ -598,7 +598,7 @@ class Buffer:
             for r in sorted(waiting):
                 # (Re)read the peer's key: at first, and while its handshake is missing (a
                 # replacement process may have published newer metadata).
-                every = HANDSHAKE_REFRESH_S if r in loaded else KEY_POLL_S
+                every = HANDSHAKE_REFRESH_S if r in loaded or r in failing_since else KEY_POLL_S
                 if r not in acked and now - last_read.get(r, -1e9) >= every:
                     last_read[r] = now
                     key = self._store_key(r)
@@ -606,11 +606,28 @@ class Buffer:
                     if raw != WITHDRAWN:
                         info = pickle.loads(raw)
                         if loaded.get(r) != info["agent"]:
-                            loaded[r] = self._load_peer(r, info).agent
-                            sent.pop(r, None)
-                            failed_at.pop(r, None)
-                            failing_since.pop(r, None)
-                            acked.discard(r)
+                            try:
+                                loaded[r] = self._load_peer(r, info).agent
+                            except Exception as exc:  # noqa: BLE001 - NIXL raises per code
+                                # Its agent is unreachable: it died after publishing its key.
+                                failing_since.setdefault(r, now)
+                                logger.debug("rank %d: loading rank %d failed: %s",
+                                             self.rank, r, exc)
+                            else:
+                                sent.pop(r, None)
+                                failed_at.pop(r, None)
+                                failing_since.pop(r, None)
+                                acked.discard(r)
+                if now - failing_since.get(r, now) >= PEER_GONE_S:
+                    waiting.discard(r)
+                    gone.add(r)
+                    reason = (f"rank {r} refused the handshake for {PEER_GONE_S:g} s: the "
+                              "process died")
+                    if r in self._peers:
+                        self._mask(self._peers[r], reason)
+                    else:  # never loaded: unconnected ranks read as masked anyway
+                        logger.warning("rank %d: %s", self.rank, reason)
+                    continue
                 peer = self._peers.get(r)
                 if peer is None or loaded.get(r) != peer.agent:
                     continue
@@ -646,11 +663,6 @@ class Buffer:
                             failing_since.setdefault(r, now)
                 if r in acked and r in sent and not peer.xfers:
                     waiting.discard(r)
-                elif now - failing_since.get(r, now) >= PEER_GONE_S:
-                    waiting.discard(r)
-                    gone.add(r)
-                    self._mask(peer, f"agent {peer.agent} refused handshake writes for "
-                                     f"{PEER_GONE_S:g} s: the process died")
             if not waiting:
                 break
             self._poll(skip=waiting)
@@ -662,6 +674,8 @@ class Buffer:
                 )
             backoff()
         for r in ranks:
+            if r in gone:
+                continue
             peer = self._peers[r]
             peer.send_seq.clear()
             peer.recv_seq.clear()
