@@ -11,29 +11,14 @@ idle pass"): parking on, 4 of 4 ok.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep.cluster.observe import wait_operation, wait_rank_state
 from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model
-
-
-def dump_schedulers(out: Path, tag: str) -> None:
-    with out.open("a") as f:
-        f.write(f"===== {tag} {time.ctime()}\n")
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            title = " ".join(proc.info["cmdline"] or [])
-            # schedulers, the DP controller, and the servers' main processes (tokenizer, HTTP)
-            if title.startswith(("sglang::scheduler", "sglang::data_parallel")) \
-                    or "sglang.launch_server" in title:
-                spy = subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)],
-                                     capture_output=True, text=True, timeout=60)
-                f.write(f"--- {proc.pid} {title}\n{spy.stdout[:3000]}\n")
 
 
 def one_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
@@ -46,7 +31,7 @@ def one_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
             try:
                 wait_rank_state(url, 1, "failed", 60)
             except TimeoutError:
-                dump_schedulers(dumps, f"{tag}: fault never reported")
+                cluster.dump_stacks(f"{tag}: fault never reported", out=dumps)
                 return "stalled at the fault"
             time.sleep(3.0)
             cluster.start_node(1, recover=True)
@@ -54,19 +39,20 @@ def one_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
             served = len(load.snapshot())
             time.sleep(15.0)
             if len(load.snapshot()) == served:
-                dump_schedulers(dumps, f"{tag}: stalled after recovery")
+                cluster.dump_stacks(f"{tag}: stalled after recovery", out=dumps)
                 return "stalled after recovery"
             return "ok"
         finally:
             load.stop()
 
 
-def progress_or_dump(load: LoadClient, dumps: Path, tag: str, seconds: float) -> bool:
+def progress_or_dump(cluster: LocalCluster, load: LoadClient, dumps: Path, tag: str,
+                     seconds: float) -> bool:
     served = len(load.snapshot())
     time.sleep(seconds)
     if len(load.snapshot()) > served:
         return True
-    dump_schedulers(dumps, tag)
+    cluster.dump_stacks(tag, out=dumps)
     return False
 
 
@@ -80,19 +66,20 @@ def one_joiner_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
         wait_operation(url, "g", 420)
         load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
         try:
-            if not progress_or_dump(load, dumps, f"{tag}: stalled after the scale-up", 60.0):
+            tag_up = f"{tag}: stalled after the scale-up"
+            if not progress_or_dump(cluster, load, dumps, tag_up, 60.0):
                 return "stalled after the scale-up"
             cluster.kill_server(joiner)
             try:
                 wait_rank_state(url, 2, "failed", 60)
             except TimeoutError:
-                dump_schedulers(dumps, f"{tag}: fault never reported")
+                cluster.dump_stacks(f"{tag}: fault never reported", out=dumps)
                 return "stalled at the fault"
-            if not progress_or_dump(load, dumps, f"{tag}: stalled after the fault", 15.0):
+            if not progress_or_dump(cluster, load, dumps, f"{tag}: stalled after the fault", 15.0):
                 return "stalled after the fault"
             cluster.start_joiner("recover", rank_offset=2)
             wait_rank_state(url, 2, "active", 420)
-            if not progress_or_dump(load, dumps, f"{tag}: stalled after recovery", 60.0):
+            if not progress_or_dump(cluster, load, dumps, f"{tag}: stalled after recovery", 60.0):
                 return "stalled after recovery"
             return "ok"
         finally:

@@ -103,6 +103,9 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.tail_recovery:gather_masks_expanded_world", "AROUND", "all",
          "over the expanded WORLD a dead joiner's row must be blanked with WORLD's mask; "
          "upstream uses the launch-time TP group's, which has no entry for it"),
+    Hook(f"{EEP}._try_recover_world", "sglang.world_view:admit_then_wait_for_view", "AROUND",
+         "all", "Mooncake applies an admission's view in the background; the next collective "
+         "(the expert-map broadcast) must not start on a rank still on the old view"),
     Hook(f"{EEP}.maybe_rebalance_after_rank_fault",
          "sglang.scale_progress:rebalance_after_rank_fault", "AROUND", "all",
          "without --enable-eplb upstream dereferences a None EPLB manager on a rank fault"),

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from sglang_elastic_ep.cluster.procs import free_port_run, kill_tree, process_tree
+from sglang_elastic_ep.cluster.procs import dump_stacks, free_port_run, kill_tree, process_tree
 from sglang_elastic_ep.cpu.shared_host import ENV_SHARED_HOST_NODE
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -351,5 +351,16 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def dump_stacks(self, tag: str, out: Path | None = None) -> str:
+        """Stacks of every live server's schedulers, DP controller and main process, appended
+        to ``out`` (default ``stacks.txt`` in the log directory; see
+        :func:`procs.dump_stacks`)."""
+        servers = [s for s in (self.primary, *self.followers.values(), *self.joiners)
+                   if s is not None and s.alive()]
+        return dump_stacks([s.pid for s in servers], out or self.spec.log_dir / "stacks.txt", tag)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and exc_type is not KeyboardInterrupt:
+            # Printed, so pytest shows it with the failure (CI keeps no log directory).
+            print(self.dump_stacks(f"cluster torn down after {exc_type.__name__}"))
         self.stop()

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterable
+from pathlib import Path
 
 import psutil
 
@@ -112,3 +117,44 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+# The processes of a server worth a stack dump: schedulers, the DP controller, and the server's
+# main process (tokenizer + HTTP). Detokenizers and compile workers only add noise.
+_DUMPED_TITLES = ("sglang::scheduler", "sglang::data_parallel")
+
+
+def py_spy() -> str | None:
+    """The py-spy next to this interpreter (the project venv installs it), else on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def dump_stacks(root_pids: Iterable[int], out: Path, tag: str, limit: int = 3000) -> str:
+    """py-spy every interesting process under ``root_pids`` into ``out`` (appended) and return
+    the text: where a hung cluster is stuck is what a failed e2e most needs to show, and the
+    processes are gone once the test tears the cluster down."""
+    spy = py_spy()
+    if spy is None:
+        return "(no stack dump: py-spy is not installed)"
+    parts = [f"===== {tag} {time.ctime()}"]
+    for root in root_pids:
+        for proc in process_tree(root):
+            try:
+                title = " ".join(proc.cmdline())
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if proc.pid != root and not title.startswith(_DUMPED_TITLES):
+                continue
+            try:
+                dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True,
+                                      text=True, timeout=60)
+                text = dump.stdout or dump.stderr
+            except subprocess.TimeoutExpired:
+                text = "(py-spy timed out)"
+            parts.append(f"--- pid {proc.pid}: {title[:120]}\n{text[:limit]}")
+    report = "\n".join(parts) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.write(report)
+    return report
