@@ -1,18 +1,22 @@
-"""Runtime scale-down on the CPU cluster under steady load (NIXL EP data plane): 2 -> 3 -> 2 -> 3.
+"""Runtime scale-down on the CPU cluster under steady load (NIXL EP data plane):
+2 -> 3 -> 2 -> 3 -> 1.
 
-One cluster, chained (starting a cluster costs a minute on 2 cores):
+One cluster, chained (starting a cluster costs a minute on 2 cores). The launch placement
+(``--init-expert-location``) puts experts 0..7 twice on rank 0 and 8..15 twice on rank 1, so
+rank 0 alone lacks half of the experts:
 
-1. 2 -> 1 is refused with 422 before anything changes: half of the logical experts live only on
-   rank 1, and moving expert weights is not built (the message says so and what to do).
-2. 2 -> 3 with a joiner (scale-up, covered in detail by test_scale_up.py).
-3. 3 -> 2 under load: the router stops sending to shard 2, shard 2 drains, every rank commits
+1. 2 -> 3 with a joiner (scale-up, covered in detail by test_scale_up.py).
+2. 3 -> 2 under load: the router stops sending to shard 2, shard 2 drains, every rank commits
    on one agreed pass; a long request running there finishes normally first, and a second
    scale request meanwhile gets 409. Then the status shows
    ``serving_contracted``, rank 2 ``safe_to_terminate``; the SSE stream carries the operation's
    events; the joiner's server exits by itself with code 0.
-4. 2 -> 3 again with a new joiner in the freed slot, through the orchestrator CLI
+3. 2 -> 3 again with a new joiner in the freed slot, through the orchestrator CLI
    (``sglang-eep scale --wait``, exit 0) while ``sglang-eep events --follow`` prints the
    operation's events live.
+4. 3 -> 1 under load: two ranks leave at once, and experts 8..15 exist only on them. Their
+   weights move P2P into rank 0's duplicate slots on the commit pass before the ranks go; the
+   unchanged greedy outputs on one rank show the weights arrived intact.
 
 Throughout: no request fails, and the fixed prompts decode to the same tokens.
 """
@@ -69,19 +73,21 @@ def wait_experts_reported(url: str, ranks: int, timeout_s: float) -> list[list[i
         time.sleep(1.0)
 
 
-def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
+def test_scale_down_3_to_2_grow_again_then_3_to_1_moving_experts(tiny_model: Path) -> None:
+    # 16 slots per rank: rank 0 holds experts 0..7 twice, rank 1 holds 8..15 twice.
+    halves = [*range(8), *range(8), *range(8, 16), *range(8, 16)]
+    placement = json.dumps({"physical_to_logical_map": [halves, halves]})  # both MoE layers
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
-                       extra_args=["--elastic-ep-drain-timeout", "60"])
+                       extra_args=["--elastic-ep-drain-timeout", "60",
+                                   "--ep-num-redundant-experts", "16",
+                                   "--init-expert-location", placement])
     with LocalCluster(spec) as cluster:
         url = cluster.url
         reference = greedy_reference(url)
 
-        refused = scale(url, 1, "shrink-to-1")
-        assert refused.status_code == 422, refused.text
-        assert "no replica on ranks 0..0" in refused.json()["message"], refused.text
-        after_refusal = read_status(url)
-        assert after_refusal["effective_ep_size"] == 2, after_refusal
-        assert after_refusal["safe_to_terminate_ranks"] == [], after_refusal
+        assert wait_experts_reported(url, ranks=2, timeout_s=60) == [
+            list(range(8)), list(range(8, 16))
+        ]
 
         load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
         follower: subprocess.Popen[str] | None = None
@@ -143,6 +149,21 @@ def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
             followed, _ = follower.communicate(timeout=60)
             assert follower.returncode == 0, followed
             time.sleep(3.0)
+
+            # 3 -> 1: experts 8..15 live only on the leaving ranks 1 and 2.
+            regrown = wait_experts_reported(url, ranks=3, timeout_s=60)
+            assert 8 not in regrown[0], regrown
+            shrink = scale(url, 1, "shrink-to-1")
+            assert shrink.status_code == 200, shrink.text
+            wait_operation(url, "shrink-to-1", SCALE_TIMEOUT_S)
+            assert wait_experts_reported(url, ranks=1, timeout_s=60) == [list(range(16))]
+            status = read_status(url)
+            assert [r["state"] for r in status["ranks"][:3]] == [
+                "active", "safe_to_terminate", "safe_to_terminate"
+            ], status
+            assert cluster.joiners[-1].wait_exit(EXIT_TIMEOUT_S) == 0, \
+                cluster.joiners[-1].log_tail()
+            time.sleep(3.0)  # load on one rank
         finally:
             results = load.stop()
             if follower is not None and follower.poll() is None:
@@ -160,4 +181,7 @@ def test_scale_down_3_to_2_under_load_then_grow_again(tiny_model: Path) -> None:
             ("scale_requested", "grow-again"), ("rank_joined", "grow-again"),
             ("scale_committed", "grow-again"),
         ], followed
-        assert read_status(url)["effective_ep_size"] == 3
+        assert read_status(url)["effective_ep_size"] == 1
+        primary_log = cluster.primary.log_path.read_text(errors="replace")
+        assert "rank 0: moved experts into 16 slots of ranks 0..0 before ranks 1..2 leave" \
+            in primary_log

@@ -288,3 +288,34 @@ def experts_per_rank(physical_to_logical: Sequence[int], local_slots: int) -> di
         if logical != EMPTY:
             held.add(int(logical))
     return {rank: sorted(held) for rank, held in sorted(ranks.items())}
+
+
+def scale_down_map(
+    physical_to_logical: Sequence[Sequence[int]],
+    old_ep_size: int,
+    new_ep_size: int,
+    num_logical_experts: int,
+) -> list[list[int]]:
+    """SGLang's physical->logical map (one row per layer, still over ``old_ep_size`` ranks)
+    after the experts that only the leaving tail ranks hold moved onto the staying ranks.
+
+    Each staying rank keeps its number of slots (layouts stay valid) and keeps every slot
+    except the fewest needed, which take over from surplus replicas (``plan_placement``). The
+    leaving ranks' slots are unchanged: they are the sources of the moves, and are cut off
+    the map only after the weights arrived. Unchanged rows mean no weight moves. Raises
+    ``PlacementError`` when the staying ranks have fewer slots than there are experts."""
+    if not 1 <= new_ep_size < old_ep_size:
+        raise PlacementError(f"a scale-down needs 1 <= new < old, got {old_ep_size} -> "
+                             f"{new_ep_size}")
+    moved: list[list[int]] = []
+    for row in physical_to_logical:
+        if len(row) % old_ep_size:
+            raise PlacementError(f"{len(row)} physical experts do not split over "
+                                 f"{old_ep_size} ranks")
+        slots = len(row) // old_ep_size
+        current = {r: list(row[r * slots:(r + 1) * slots]) for r in range(old_ep_size)}
+        plan = plan_placement(num_logical_experts=num_logical_experts, slots_per_rank=slots,
+                              current=current, target_ranks=range(new_ep_size))
+        staying = [e for r in range(new_ep_size) for e in plan.placement[r]]
+        moved.append(staying + list(row[new_ep_size * slots:]))
+    return moved

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.sglang import tail_recovery
+from sglang_elastic_ep.sglang.expert_moves import move_experts_off_leaving_ranks, shrink_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,6 @@ def _state_manager() -> Any:
     from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
 
     return ElasticEPStateManager
-
-
-def _physical_to_logical() -> Any:
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-    metadata = get_global_expert_location_metadata()
-    return None if metadata is None else metadata.physical_to_logical_map
 
 
 def refusal(state: Any, new_ep_size: int) -> str | None:
@@ -75,19 +68,7 @@ def refusal(state: Any, new_ep_size: int) -> str | None:
     if _state_manager().is_scaling():
         return ("another scale or a recovery is in progress: wait until it finishes "
                 "(GET /elastic_ep/status), then retry")
-    p2l = _physical_to_logical()
-    if p2l is not None:
-        missing = uncovered_experts(p2l.tolist(), slots=(p2l.shape[1] // old) * new_ep_size)
-        if missing:
-            layer, experts = next(iter(missing.items()))
-            return (
-                f"cannot shrink from {old} to {new_ep_size} ranks: logical experts {experts} "
-                f"(layer {layer}) have no replica on ranks 0..{new_ep_size - 1}, and moving "
-                "expert weights between ranks is not built yet. Launch with "
-                "--ep-num-redundant-experts so every expert has a replica on the ranks that "
-                "stay, or shrink less"
-            )
-    return None
+    return shrink_refusal(old, new_ep_size)
 
 
 def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
@@ -154,11 +135,15 @@ def ready_to_shrink(state: Any, rank: int) -> int:
     return target if drained else 0
 
 
-def finalize_scale_down(runner: Any, target: int, *, tell_tokenizer: bool = True) -> None:
-    """Every active rank, on the same agreed pass: switch placement, then let the tail go.
+def finalize_scale_down(runner: Any, target: int, *, tell_tokenizer: bool = True,
+                        move_experts: bool = True) -> None:
+    """Every active rank, on the same agreed pass: move experts, switch placement, then let
+    the tail go.
 
-    ``tell_tokenizer=False`` when the tail failed rather than left (tail_recovery): the HTTP
-    process keeps its size and shows the slots failed until their replacement joins."""
+    ``tell_tokenizer=False, move_experts=False`` when the tail failed rather than left
+    (tail_recovery): nothing can be read from dead ranks (that path checks beforehand that
+    the survivors hold every expert), and the HTTP process keeps its size and shows the slots
+    failed until their replacement joins."""
     from mooncake.pg import deactivate_ranks
     from sglang.srt.eplb.expert_distribution import (
         ExpertDistributionRecorder,
@@ -179,9 +164,11 @@ def finalize_scale_down(runner: Any, target: int, *, tell_tokenizer: bool = True
     staying = rank < target
     runner.forward_pass_id = 0
 
-    # 1. Experts: the staying ranks' slots already hold every logical expert (checked at the
-    # request); drop the leaving ranks' slots from the map on every staying rank.
+    # 1. Experts: the staying ranks take every expert only the tail holds (weights move while
+    # the leaving ranks are still members); then the leaving ranks' slots leave the map.
     state.scale_phase = "switching_placement"
+    if move_experts:
+        move_experts_off_leaving_ranks(runner, old, target)
     metadata = get_global_expert_location_metadata()
     if metadata is not None and staying:
         slots = metadata.num_physical_experts // old

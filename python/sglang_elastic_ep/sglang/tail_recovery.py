@@ -114,7 +114,7 @@ def let_go_of_failed_tail(runner: Any, target: int) -> None:
 
     state = _state_manager().instance()
     old = state.effective_ep_size
-    finalize_scale_down(runner, target, tell_tokenizer=False)
+    finalize_scale_down(runner, target, tell_tokenizer=False, move_experts=False)
     state.scale_phase = "awaiting_replacement"
     _return_to = old
     logger.warning(

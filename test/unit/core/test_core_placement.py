@@ -10,6 +10,7 @@ from sglang_elastic_ep.core.placement import (
     PlacementPlan,
     plan_placement,
     replica_table,
+    scale_down_map,
 )
 
 
@@ -311,3 +312,50 @@ def test_experts_per_rank_from_one_layers_map() -> None:
     assert experts_per_rank([3, 1, 1, -1, 0, 2], local_slots=2) == {0: [1, 3], 1: [1], 2: [0, 2]}
     with pytest.raises(ValueError):
         experts_per_rank([0], local_slots=0)
+
+
+# --- scale_down_map: experts leave the tail before the ranks do ---------------------------
+
+
+def test_scale_down_map_keeps_a_covered_layout_unchanged() -> None:
+    row = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]  # three ranks, every rank holds every expert
+    assert scale_down_map([row], 3, 2, 4) == [row]
+
+
+def test_scale_down_map_moves_only_the_experts_the_tail_alone_holds() -> None:
+    # rank 0 holds 0,1 twice; rank 1 holds 2,3 twice: shrinking to one rank needs 2 and 3 in
+    # two of rank 0's duplicate slots; rank 1's slots stay as they are (the move's source).
+    row = [0, 1, 0, 1, 2, 3, 2, 3]
+    [moved] = scale_down_map([row], 2, 1, 4)
+    assert sorted(moved[:4]) == [0, 1, 2, 3]
+    assert moved[4:] == [2, 3, 2, 3]
+    assert sum(a != b for a, b in zip(moved[:4], row[:4], strict=True)) == 2  # the fewest
+
+
+def test_scale_down_map_plans_each_layer_on_its_own() -> None:
+    covered = [0, 1, 2, 3, 0, 1, 2, 3]
+    tail_only = [0, 0, 1, 1, 2, 3, 2, 3]
+    moved = scale_down_map([covered, tail_only], 2, 1, 4)
+    assert moved[0] == covered
+    assert sorted(moved[1][:4]) == [0, 1, 2, 3] and moved[1][4:] == [2, 3, 2, 3]
+
+
+def test_scale_down_map_from_four_to_two_keeps_every_expert_on_the_staying_ranks() -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        # 4 ranks x 4 slots, 8 experts: the leaving ranks 2..3 hold each expert once, the
+        # staying ranks 0..1 any of them (repeats leave some only on the leaving ranks)
+        row = [rng.randrange(8) for _ in range(8)] + rng.sample(range(8), 8)
+        [moved] = scale_down_map([row], 4, 2, 8)
+        assert set(moved[:8]) == set(range(8)), (row, moved)
+        assert moved[8:] == row[8:]
+
+
+def test_scale_down_map_refuses_too_few_staying_slots() -> None:
+    with pytest.raises(PlacementError, match="cannot hold"):
+        scale_down_map([[0, 1, 2, 3]], 2, 1, 4)  # one rank x 2 slots for 4 experts
+
+
+def test_scale_down_map_refuses_a_size_that_is_not_a_shrink() -> None:
+    with pytest.raises(PlacementError, match="new < old"):
+        scale_down_map([[0, 1, 2, 3]], 2, 2, 4)
