@@ -1,22 +1,24 @@
-"""Runtime scale-down on the CPU cluster under steady load (NIXL EP data plane):
-2 -> 3 -> 2 -> 3 -> 1.
+"""Runtime scale-up to four ranks and scale-down on the CPU cluster under steady load (NIXL EP):
+2 -> 3 -> 4 -> 3 -> 2 -> 4 -> 2 -> 1, one cluster (starting one costs a minute on 2 cores).
 
-One cluster, chained (starting a cluster costs a minute on 2 cores). The launch placement
-(``--init-expert-location``) puts experts 0..7 twice on rank 0 and 8..15 twice on rank 1, so
-rank 0 alone lacks half of the experts:
+The launch placement (``--init-expert-location``, 16 slots per rank) puts experts 0..7 twice on
+rank 0 and 8..15 twice on rank 1, so rank 0 alone lacks half of the experts; a joiner's slots
+get copies (upstream appends trivial slots).
 
-1. 2 -> 3 with a joiner (scale-up, covered in detail by test_scale_up.py).
-2. 3 -> 2 under load: the router stops sending to shard 2, shard 2 drains, every rank commits
-   on one agreed pass; a long request running there finishes normally first, and a second
-   scale request meanwhile gets 409. Then the status shows
-   ``serving_contracted``, rank 2 ``safe_to_terminate``; the SSE stream carries the operation's
-   events; the joiner's server exits by itself with code 0.
-3. 2 -> 3 again with a new joiner in the freed slot, through the orchestrator CLI
-   (``sglang-eep scale --wait``, exit 0) while ``sglang-eep events --follow`` prints the
-   operation's events live.
-4. 3 -> 1 under load: two ranks leave at once, and experts 8..15 exist only on them. Their
-   weights move P2P into rank 0's duplicate slots on the commit pass before the ranks go; the
-   unchanged greedy outputs on one rank show the weights arrived intact.
+1. 2 -> 3 -> 4: joiners for ranks 2 and 3 are launched first (while two ranks serve: a joiner
+   starting beside three busy ranks on two cores takes minutes), then each size is POSTed
+   (the RFC's ``new_tp_size`` for 4, replayed by operation id). The DP router sends requests to
+   shards 2 and 3; every rank reports experts.
+2. 4 -> 3 under load: a long request running on shard 3 finishes first (drain); a second scale
+   request meanwhile gets 409; rank 3 becomes ``safe_to_terminate`` and its server exits 0.
+3. 3 -> 2: rank 2 leaves the same way; the staying ranks keep exactly their slots.
+4. 2 -> 4 into the freed slots, driven by the orchestrator CLI (``sglang-eep scale --wait``,
+   exit 0) while ``sglang-eep events --follow`` prints the operation's events live; the joiner
+   (one server for ranks 2 and 3) is launched after the POST.
+5. 4 -> 2: both of its ranks leave at once, and its server exits 0.
+6. 2 -> 1: experts 8..15 exist only on the leaving rank 1; their weights move P2P into rank
+   0's duplicate slots on the commit pass before rank 1 goes (it parks: its server is node
+   0's). The unchanged greedy outputs on one rank show the weights arrived intact.
 
 Throughout: no request fails, and the fixed prompts decode to the same tokens.
 """
@@ -34,32 +36,39 @@ import httpx
 import pytest
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.load import greedy_reference
-from sglang_elastic_ep.cluster.observe import sse_events, wait_operation
+from sglang_elastic_ep.cluster.launcher import ServerProcess
+from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
+from sglang_elastic_ep.cluster.observe import (
+    batches_run_by,
+    operation_events,
+    sse_events,
+    wait_operation,
+)
 from sglang_elastic_ep.cluster.observe import status as read_status
 
 SCALE_TIMEOUT_S = 420
 CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
 EXIT_TIMEOUT_S = 60
+GROW = ["scale_requested", "rank_joined", "scale_committed"]
+SHRINK = ["scale_requested", "scale_committed", "safe_to_terminate"]
+HALVES = [*range(8), *range(8), *range(8, 16), *range(8, 16)]  # 2 ranks x 16 slots
 
 
-def scale(url: str, size: int, operation_id: str) -> httpx.Response:
+def scale(url: str, size: int, operation_id: str, field: str = "new_ep_size") -> httpx.Response:
     return httpx.post(url + "/scale_elastic_ep",
-                      json={"new_ep_size": size, "operation_id": operation_id}, timeout=60)
+                      json={field: size, "operation_id": operation_id}, timeout=60)
 
 
-def grow_to_3(cluster: LocalCluster, operation_id: str) -> None:
-    cluster.start_joiner("scale", rank_offset=2)
-    resp = scale(cluster.url, 3, operation_id)
-    assert resp.status_code == 200, resp.text
-    wait_operation(cluster.url, operation_id, SCALE_TIMEOUT_S)
-    status = read_status(cluster.url)
-    assert status["effective_ep_size"] == 3, status
-    assert status["recent_operations"][0]["result"] == "succeeded", status
+def succeeded(url: str, operation_id: str, size: int) -> dict:
+    """The status once ``operation_id`` succeeded at ``size`` ranks (its error otherwise)."""
+    operation = wait_operation(url, operation_id, SCALE_TIMEOUT_S)
+    assert operation["result"] == "succeeded", operation
+    status = read_status(url)
+    assert status["effective_ep_size"] == size, status
+    return status
 
 
-@pytest.mark.timeout(1500)
-def wait_experts_reported(url: str, ranks: int, timeout_s: float) -> list[list[int]]:
+def wait_experts_reported(url: str, ranks: int, timeout_s: float = 60) -> list[list[int]]:
     """The logical experts of ranks ``0..ranks-1`` once the status reports them for exactly
     that many ranks (the health poll refreshes the placement every 2 s)."""
     deadline = time.monotonic() + timeout_s
@@ -73,10 +82,38 @@ def wait_experts_reported(url: str, ranks: int, timeout_s: float) -> list[list[i
         time.sleep(1.0)
 
 
-def test_scale_down_3_to_2_grow_again_then_3_to_1_moving_experts(tiny_model: Path) -> None:
-    # 16 slots per rank: rank 0 holds experts 0..7 twice, rank 1 holds 8..15 twice.
-    halves = [*range(8), *range(8), *range(8, 16), *range(8, 16)]
-    placement = json.dumps({"physical_to_logical_map": [halves, halves]})  # both MoE layers
+def states(url: str) -> list[str]:
+    return [r["state"] for r in read_status(url)["ranks"]]
+
+
+def shrink_with_a_long_request_on(url: str, shard: int, size: int, operation_id: str) -> None:
+    """POST the shrink while a 48-token request runs on ``shard`` (a leaving one): the drain
+    waits for it, and a second scale request meanwhile gets 409."""
+    with ThreadPoolExecutor(1) as pool:
+        long_request = pool.submit(
+            httpx.post, url + "/generate", timeout=300,
+            json={"text": "a long answer", "routed_dp_rank": shard,
+                  "sampling_params": {"max_new_tokens": 48, "temperature": 0,
+                                      "ignore_eos": True}},
+        )
+        time.sleep(1.0)
+        shrink = scale(url, size, operation_id)
+        assert shrink.status_code == 200, shrink.text
+        assert shrink.json()["phase"] == "draining", shrink.text
+        conflict = scale(url, size + 1, "too-early")
+        assert conflict.status_code == 409, conflict.text
+        drained = long_request.result()
+    assert drained.status_code == 200, drained.text
+    assert drained.json()["meta_info"]["completion_tokens"] == 48, drained.text
+
+
+def left_and_exited(joiner: ServerProcess) -> None:
+    assert joiner.wait_exit(EXIT_TIMEOUT_S) == 0, joiner.log_tail()
+
+
+@pytest.mark.timeout(1800)
+def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
+    placement = json.dumps({"physical_to_logical_map": [HALVES, HALVES]})  # both MoE layers
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
                        extra_args=["--elastic-ep-drain-timeout", "60",
                                    "--ep-num-redundant-experts", "16",
@@ -84,85 +121,80 @@ def test_scale_down_3_to_2_grow_again_then_3_to_1_moving_experts(tiny_model: Pat
     with LocalCluster(spec) as cluster:
         url = cluster.url
         reference = greedy_reference(url)
-
-        assert wait_experts_reported(url, ranks=2, timeout_s=60) == [
-            list(range(8)), list(range(8, 16))
-        ]
+        assert wait_experts_reported(url, ranks=2) == [list(range(8)), list(range(8, 16))]
 
         load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
         follower: subprocess.Popen[str] | None = None
         try:
-            grow_to_3(cluster, "grow-to-3")
-            joiner = cluster.joiners[-1]
-            time.sleep(3.0)  # load on three shards
-            # The scale-up placed experts on the new rank (the status shows each rank's).
-            placed = wait_experts_reported(url, ranks=3, timeout_s=60)
-            assert placed[2], placed
+            # 1. 2 -> 3 -> 4, joiners first.
+            rank2 = cluster.start_joiner("scale", rank_offset=2)
+            rank3 = cluster.start_joiner("scale", rank_offset=3)
+            assert scale(url, 3, "grow-to-3").status_code == 200
+            succeeded(url, "grow-to-3", 3)
+            first = scale(url, 4, "grow-to-4", field="new_tp_size")  # the RFC's name
+            assert first.status_code == 200, first.text
+            again = scale(url, 4, "grow-to-4", field="new_tp_size")
+            assert again.status_code == 200 and again.json()["replayed"] is True, again.text
+            status = succeeded(url, "grow-to-4", 4)
+            assert status["phase"] == "serving_expanded", status
+            with httpx.Client() as client:
+                for i in range(8):  # round-robin over 4 shards: 2 each
+                    assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
+            assert batches_run_by(rank2.log_path, 2) > 0, "the DP router must use new shard 2"
+            assert batches_run_by(rank3.log_path, 3) > 0, "the DP router must use new shard 3"
+            placed = wait_experts_reported(url, ranks=4)
+            assert placed[2] and placed[3], placed
             assert set().union(*placed) == set(range(16)), placed
 
-            # A long request running on shard 2: the drain must wait for it to finish.
-            with ThreadPoolExecutor(1) as pool:
-                long_request = pool.submit(
-                    httpx.post, url + "/generate", timeout=300,
-                    json={"text": "a long answer", "routed_dp_rank": 2,
-                          "sampling_params": {"max_new_tokens": 48, "temperature": 0,
-                                              "ignore_eos": True}},
-                )
-                time.sleep(1.0)
-                shrink = scale(url, 2, "shrink-to-2")
-                assert shrink.status_code == 200, shrink.text
-                assert shrink.json()["phase"] == "draining", shrink.text
-                conflict = scale(url, 3, "too-early")
-                assert conflict.status_code == 409, conflict.text
-                drained = long_request.result()
-            assert drained.status_code == 200, drained.text
-            assert drained.json()["meta_info"]["completion_tokens"] == 48, drained.text
-            wait_operation(url, "shrink-to-2", SCALE_TIMEOUT_S)
-            status = read_status(url)
-            assert status["effective_ep_size"] == 2, status
+            # 2. 4 -> 3 with a long request on the leaving shard.
+            shrink_with_a_long_request_on(url, 3, 3, "shrink-to-3")
+            status = succeeded(url, "shrink-to-3", 3)
             assert status["phase"] == "serving_contracted", status
-            assert status["recent_operations"][0]["result"] == "succeeded", status
-            assert [r["state"] for r in status["ranks"][:3]] == [
-                "active", "active", "safe_to_terminate"
-            ], status
-            # The plan: the staying ranks keep exactly their slots, and they hold every expert.
-            assert wait_experts_reported(url, ranks=2, timeout_s=60) == placed[:2]
-            assert set().union(*placed[:2]) == set(range(16)), placed
-            assert read_status(url)["ranks"][2]["experts"] is None
-            assert joiner.wait_exit(EXIT_TIMEOUT_S) == 0, joiner.log_tail()
+            assert states(url) == ["active", "active", "active", "safe_to_terminate"]
+            assert status["safe_to_terminate_ranks"] == [3], status
+            left_and_exited(rank3)
+            assert wait_experts_reported(url, ranks=3) == placed[:3]
+
+            # 3. 3 -> 2.
+            assert scale(url, 2, "shrink-to-2").status_code == 200
+            succeeded(url, "shrink-to-2", 2)
+            assert states(url)[:3] == ["active", "active", "safe_to_terminate"]
+            left_and_exited(rank2)
+            assert wait_experts_reported(url, ranks=2) == placed[:2]
             time.sleep(3.0)  # load on two shards again
 
-            # Grow again into the freed slot, driven by the orchestrator CLI this time, with a
-            # live event follower beside it.
+            # 4. 2 -> 4 into the freed slots: the CLI's POST first, then the joiner.
             follower = subprocess.Popen(
                 [*CLI, "events", "--url", url, "--follow", "--json", "--max-events", "3"],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             time.sleep(3.0)  # the follower is connected and past the backlog
-            cluster.start_joiner("scale", rank_offset=2)
-            grow = subprocess.run(
-                [*CLI, "scale", "--url", url, "--to", "3", "--wait", "--operation-id",
+            grow = subprocess.Popen(
+                [*CLI, "scale", "--url", url, "--to", "4", "--wait", "--operation-id",
                  "grow-again", "--timeout", str(SCALE_TIMEOUT_S), "--http-timeout", "60"],
-                capture_output=True, text=True, timeout=SCALE_TIMEOUT_S + 60,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
-            assert grow.returncode == 0, (grow.returncode, grow.stdout, grow.stderr)
+            time.sleep(3.0)
+            pair = cluster.start_joiner("scale", rank_offset=2, size=2)
+            grown, _ = grow.communicate(timeout=SCALE_TIMEOUT_S + 60)
+            assert grow.returncode == 0, grown
             followed, _ = follower.communicate(timeout=60)
             assert follower.returncode == 0, followed
-            time.sleep(3.0)
+            assert read_status(url)["effective_ep_size"] == 4
+            time.sleep(3.0)  # load on four shards
 
-            # 3 -> 1: experts 8..15 live only on the leaving ranks 1 and 2.
-            regrown = wait_experts_reported(url, ranks=3, timeout_s=60)
-            assert 8 not in regrown[0], regrown
-            shrink = scale(url, 1, "shrink-to-1")
-            assert shrink.status_code == 200, shrink.text
-            wait_operation(url, "shrink-to-1", SCALE_TIMEOUT_S)
-            assert wait_experts_reported(url, ranks=1, timeout_s=60) == [list(range(16))]
-            status = read_status(url)
-            assert [r["state"] for r in status["ranks"][:3]] == [
-                "active", "safe_to_terminate", "safe_to_terminate"
-            ], status
-            assert cluster.joiners[-1].wait_exit(EXIT_TIMEOUT_S) == 0, \
-                cluster.joiners[-1].log_tail()
+            # 5. 4 -> 2: both ranks of the pair's server leave together.
+            assert scale(url, 2, "shrink-4-to-2").status_code == 200
+            status = succeeded(url, "shrink-4-to-2", 2)
+            assert status["safe_to_terminate_ranks"] == [2, 3], status
+            left_and_exited(pair)
+            assert wait_experts_reported(url, ranks=2) == placed[:2]
+
+            # 6. 2 -> 1: experts 8..15 live only on the leaving rank 1.
+            assert scale(url, 1, "shrink-to-1").status_code == 200
+            succeeded(url, "shrink-to-1", 1)
+            assert wait_experts_reported(url, ranks=1) == [list(range(16))]
+            assert states(url)[:2] == ["active", "safe_to_terminate"]
             time.sleep(3.0)  # load on one rank
         finally:
             results = load.stop()
@@ -174,14 +206,18 @@ def test_scale_down_3_to_2_grow_again_then_3_to_1_moving_experts(tiny_model: Pat
         changed = [r for r in results if r.output_ids != reference[r.prompt]]
         assert not changed, f"outputs changed: {changed[:3]}"
         assert greedy_reference(url) == reference
-        types = [e["type"] for e in sse_events(url) if e.get("operation_id") == "shrink-to-2"]
-        assert types == ["scale_requested", "scale_committed", "safe_to_terminate"], types
+        ops = operation_events(sse_events(url))
+        for grown_id in ("grow-to-3", "grow-to-4", "grow-again"):
+            assert ops[grown_id] == GROW, (grown_id, ops)
+        for shrunk_id in ("shrink-to-3", "shrink-to-2", "shrink-4-to-2", "shrink-to-1"):
+            assert ops[shrunk_id] == SHRINK, (shrunk_id, ops)
         live = [json.loads(line) for line in followed.splitlines() if line.startswith("{")]
         assert [(e["type"], e["operation_id"]) for e in live] == [
             ("scale_requested", "grow-again"), ("rank_joined", "grow-again"),
             ("scale_committed", "grow-again"),
         ], followed
-        assert read_status(url)["effective_ep_size"] == 1
         primary_log = cluster.primary.log_path.read_text(errors="replace")
-        assert "rank 0: moved experts into 16 slots of ranks 0..0 before ranks 1..2 leave" \
+        # Only the last shrink needed a move: 8 experts x 2 layers into rank 0's slots.
+        assert primary_log.count("moved experts into") == 1, "only 2 -> 1 moves experts"
+        assert "rank 0: moved experts into 16 slots of ranks 0..0 before ranks 1..1 leave" \
             in primary_log

@@ -225,7 +225,9 @@ class InProcessControlPlane:
             if status.current_operation is None and self._recovery_phase is not None:
                 status = status.model_copy(update={"phase": self._recovery_phase})
             placement, effective = self._placement, self._membership.effective_size
-        if placement:
+        # A placement reported for another size is stale (the poll runs every few seconds):
+        # show none until the engine reports the current one.
+        if placement and len(placement) == effective:
             ranks = [
                 r.model_copy(update={"experts": placement.get(r.rank)})
                 if r.rank < effective else r

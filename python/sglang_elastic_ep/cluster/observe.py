@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 
@@ -49,6 +50,26 @@ def sse_events(url: str) -> list[dict]:
     if not resp.headers["content-type"].startswith("text/event-stream"):
         raise ValueError(f"not an event stream: {resp.headers['content-type']}")
     return [json.loads(line[5:]) for line in resp.text.splitlines() if line.startswith("data:")]
+
+
+def operation_events(events: list[dict]) -> dict[str, list[str]]:
+    """Event types per operation id, in order."""
+    ops: dict[str, list[str]] = {}
+    for event in events:
+        if event.get("operation_id"):
+            ops.setdefault(event["operation_id"], []).append(event["type"])
+    return ops
+
+
+def batches_run_by(log_path: Path, shard: int) -> int:
+    """Prefill batches the scheduler of DP shard ``shard`` ran, from its server's log: proof
+    that the primary's DP router sent it requests. (The HTTP response's dp_rank is not filled
+    in for requests served by a joiner's shard.)"""
+    return sum(
+        1
+        for line in log_path.read_text(errors="replace").splitlines()
+        if f" DP{shard}] Prefill batch" in line
+    )
 
 
 def metric(url: str, name: str) -> float | None:

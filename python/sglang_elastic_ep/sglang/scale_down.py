@@ -217,12 +217,30 @@ def finalize_scale_down(runner: Any, target: int, *, tell_tokenizer: bool = True
     if rank == 0 and tell_tokenizer:
         from sglang.srt.managers.io_struct import ElasticScaleUpdateReq
 
+        forget_cohorts(range(target, old))
         runner._pending_elastic_scale_update = ElasticScaleUpdateReq(
             success=True, effective_ep_size=target,
             slot_offset=physical_ep_size_to_dp_size(target, attn_replica_size()), slot_count=0,
         )
         logger.info("[elastic-ep] Scale-down completed: old_ep_size=%d new_ep_size=%d "
                     "released_ranks=%s", old, target, leaving)
+
+
+def forget_cohorts(offsets: range) -> None:
+    """Delete the scale cohorts registered for the freed slots (rank 0 only; the store is
+    shared). Upstream never deletes one: a joiner that left keeps its cohort (its target size)
+    in the store, and a later scale-up from that size then read the stale target and failed
+    with "does not match joining cohort target" before the new joiner registered."""
+    from sglang.srt.distributed.utils import get_global_tcp_store
+    from sglang.srt.elastic_ep.elastic_ep import _SCALE_COHORT_KEY_PREFIX
+
+    store = get_global_tcp_store()
+    if store is None:
+        return
+    for offset in offsets:
+        key = f"{_SCALE_COHORT_KEY_PREFIX}/{offset}"
+        if store.check([key]):
+            store.delete_key(key)
 
 
 def first_rank_of_server(*, is_joiner: bool, join_offset: int, node_rank: int,

@@ -205,6 +205,9 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
     state.last_error = None
     runner = scheduler.tp_worker.model_runner
     if get_parallel().tp_rank == 0 and not get_exec().moe.is_ep_scale_joiner:
+        from sglang_elastic_ep.sglang.scale_down import forget_cohorts
+
+        forget_cohorts(range(new_ep_size, old))  # the dead joiners' cohorts, now stale
         runner._pending_elastic_scale_update = ElasticScaleUpdateReq(
             success=True, effective_ep_size=new_ep_size,
             slot_offset=physical_ep_size_to_dp_size(new_ep_size, attn_replica_size()),
