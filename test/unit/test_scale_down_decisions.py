@@ -91,3 +91,16 @@ def test_a_server_is_stopped_only_when_every_one_of_its_ranks_leaves() -> None:
     assert first_rank_of_server(is_joiner=False, join_offset=0, node_rank=1, ranks_per_node=2) == 2
     # Node 0 always holds rank 0, which never leaves.
     assert first_rank_of_server(is_joiner=False, join_offset=0, node_rank=0, ranks_per_node=2) == 0
+
+
+def test_a_drain_confirmation_read_after_the_commit_is_recognised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    committed = SimpleNamespace(pending_ep_size=None, effective_ep_size=2)
+    monkeypatch.setattr(scale_down, "_committed_shrink", 2)
+    assert scale_down.is_late_drain_confirmation(committed, 2)
+    assert not scale_down.is_late_drain_confirmation(committed, 1)  # a new request: not late
+    pending = SimpleNamespace(pending_ep_size=2, effective_ep_size=3)
+    assert not scale_down.is_late_drain_confirmation(pending, 2)  # still draining
+    monkeypatch.setattr(scale_down, "_committed_shrink", None)
+    assert not scale_down.is_late_drain_confirmation(committed, 2)  # no shrink committed

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _scheduler: Any = None  # this process's scheduler, for the drain check in the agreement step
 _drain_confirmed = False  # the HTTP process saw every request it routed to leaving shards end
+_committed_shrink: int | None = None  # the size the last scale-down committed to
 
 
 def _state_manager() -> Any:
@@ -71,10 +72,20 @@ def refusal(state: Any, new_ep_size: int) -> str | None:
     return shrink_refusal(old, new_ep_size)
 
 
+def is_late_drain_confirmation(state: Any, new_ep_size: int) -> bool:
+    """The HTTP process's drain confirmation reached this scheduler only after the commit.
+    Staying ranks are ready at once and the leaving ones as soon as they read it, so the
+    commit can run before a staying rank has read the same message from its socket. Seen: the
+    late confirmation was taken for a new request to the current size, refused, and the
+    committed scale-down was reported failed."""
+    return (state.pending_ep_size is None and _committed_shrink == new_ep_size
+            and state.effective_ep_size == new_ep_size)
+
+
 def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     """AROUND ``Scheduler.handle_scale_elastic_ep``: a target below the effective size is a
     scale-down (upstream refuses those); anything else is upstream's scale-up."""
-    global _scheduler, _drain_confirmed
+    global _scheduler, _drain_confirmed, _committed_shrink
     _scheduler = scheduler
     manager = _state_manager()
     state = manager.instance()
@@ -82,9 +93,15 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     if state is not None and new == state.effective_ep_size \
             and tail_recovery.awaiting_replacement() is not None:
         return tail_recovery.remove_failed_slots(scheduler, state, new)
+    from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
+
+    if state is not None and is_late_drain_confirmation(state, new):
+        return ScaleElasticEPReqOutput(
+            success=True, message=f"scale-down to {new} already committed", old_ep_size=new,
+            new_ep_size=new, scale_phase=state.scale_phase,
+        )
     if state is None or new >= state.effective_ep_size:
         return original(scheduler, recv_req)
-    from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
 
     old = state.effective_ep_size
     if state.pending_ep_size == new and state.scale_phase == "draining":
@@ -100,6 +117,7 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
         return ScaleElasticEPReqOutput(success=False, message=error, old_ep_size=old,
                                        new_ep_size=new, scale_phase=state.scale_phase)
     _drain_confirmed = False
+    _committed_shrink = None
     state.pending_ep_size = new
     state.scale_phase = "draining"
     state.last_error = None
@@ -144,6 +162,7 @@ def finalize_scale_down(runner: Any, target: int, *, tell_tokenizer: bool = True
     (tail_recovery): nothing can be read from dead ranks (that path checks beforehand that
     the survivors hold every expert), and the HTTP process keeps its size and shows the slots
     failed until their replacement joins."""
+    global _committed_shrink
     from mooncake.pg import deactivate_ranks
     from sglang.srt.eplb.expert_distribution import (
         ExpertDistributionRecorder,
@@ -194,6 +213,8 @@ def finalize_scale_down(runner: Any, target: int, *, tell_tokenizer: bool = True
     state.pending_since = None
     state.has_scaled = True
     state.scale_phase = "serving_contracted" if staying else "released"
+    if tell_tokenizer:
+        _committed_shrink = target
     if manager._on_scale is not None:  # the NIXL data plane (upstream sets it for nixl only)
         from sglang_elastic_ep.sglang.nixl_buffer_hooks import mark_ranks_drained
 
