@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.launcher import ServerProcess
+from sglang_elastic_ep.cluster.launcher import JOINER_REGISTERED, ServerProcess
 from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
 from sglang_elastic_ep.cluster.observe import (
     batches_run_by,
@@ -130,6 +130,7 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
             # 1. 2 -> 3 (POST, then the joiners) -> 4 (its joiner already waiting).
             assert scale(url, 3, "grow-to-3").status_code == 200
             rank2 = cluster.start_joiner("scale", rank_offset=2)
+            rank2.wait_for_log(JOINER_REGISTERED, SCALE_TIMEOUT_S)  # slots join in order
             rank3 = cluster.start_joiner("scale", rank_offset=3)
             succeeded(url, "grow-to-3", 3)
             first = scale(url, 4, "grow-to-4", field="new_tp_size")  # the RFC's name
@@ -163,7 +164,8 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             time.sleep(3.0)  # the follower is connected and past the backlog
-            cluster.start_joiner("scale", rank_offset=2)
+            cluster.start_joiner("scale", rank_offset=2).wait_for_log(JOINER_REGISTERED,
+                                                                      SCALE_TIMEOUT_S)
             again3 = cluster.start_joiner("scale", rank_offset=3)
             grow = subprocess.run(
                 [*CLI, "scale", "--url", url, "--to", "3", "--wait", "--operation-id",
