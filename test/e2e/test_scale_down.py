@@ -5,17 +5,18 @@ The launch placement (``--init-expert-location``, 16 slots per rank) puts expert
 rank 0 and 8..15 twice on rank 1, so rank 0 alone lacks half of the experts; a joiner's slots
 get copies (upstream appends trivial slots).
 
-1. 2 -> 3 -> 4: 3 is POSTed first, then joiners for ranks 2 and 3 are launched (while two ranks
-   serve: a joiner starting beside three busy ranks on two cores takes minutes); rank 3's
-   joiner is waiting when 4 is POSTed (the RFC's ``new_tp_size``, replayed by operation id).
-   So both orders, joiner after and before the POST. The DP router sends requests to shards 2
+1. 2 -> 3 -> 4: 3 is POSTed first, then the joiner for rank 2 is launched, and the one for
+   rank 3 once rank 2's has registered with Mooncake (slots register in order); rank 3's joiner
+   is waiting when 4 is POSTed (the RFC's ``new_tp_size``, replayed by operation id). So both
+   orders, joiner after and before the POST. (Rank 3's joiner starts beside three busy ranks on
+   two cores: minutes.) The DP router sends requests to shards 2
    and 3; every rank reports experts.
 2. 4 -> 2 under load: a long request running on shard 3 finishes first (drain); a second scale
    request meanwhile gets 409; ranks 2 and 3 become ``safe_to_terminate`` and both joiners'
    servers exit 0. The staying ranks keep exactly their slots.
-3. 2 -> 3 -> 4 again into the freed slots with new joiners, 3 driven by the orchestrator CLI
-   (``sglang-eep scale --wait``, exit 0) while ``sglang-eep events --follow`` prints the
-   operation's events live.
+3. 2 -> 3 -> 4 again into the freed slots with new joiners, both launched (in slot order)
+   before the POSTs; 3 driven by the orchestrator CLI (``sglang-eep scale --wait``, exit 0)
+   while ``sglang-eep events --follow`` prints the operation's events live.
 4. 4 -> 3: rank 3 leaves, its server exits 0.
 5. 3 -> 1: experts 8..15 exist only on the leaving ranks 1 and 2; their weights move P2P into
    rank 0's duplicate slots on the commit pass before the ranks go (rank 1 parks: its server
@@ -48,6 +49,7 @@ from sglang_elastic_ep.cluster.observe import (
 from sglang_elastic_ep.cluster.observe import status as read_status
 
 SCALE_TIMEOUT_S = 420
+SERVER_SCALE_TIMEOUT_S = 600  # upstream's --elastic-ep-scale-timeout default
 CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
 EXIT_TIMEOUT_S = 60
 GROW = ["scale_requested", "rank_joined", "scale_committed"]
@@ -60,9 +62,9 @@ def scale(url: str, size: int, operation_id: str, field: str = "new_ep_size") ->
                       json={field: size, "operation_id": operation_id}, timeout=60)
 
 
-def succeeded(url: str, operation_id: str, size: int) -> dict:
+def succeeded(url: str, operation_id: str, size: int, timeout_s: float = SCALE_TIMEOUT_S) -> dict:
     """The status once ``operation_id`` succeeded at ``size`` ranks (its error otherwise)."""
-    operation = wait_operation(url, operation_id, SCALE_TIMEOUT_S)
+    operation = wait_operation(url, operation_id, timeout_s)
     assert operation["result"] == "succeeded", operation
     status = read_status(url)
     assert status["effective_ep_size"] == size, status
@@ -137,7 +139,8 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
             assert first.status_code == 200, first.text
             again = scale(url, 4, "grow-to-4", field="new_tp_size")
             assert again.status_code == 200 and again.json()["replayed"] is True, again.text
-            status = succeeded(url, "grow-to-4", 4)
+            # Rank 3's joiner started beside three busy ranks: up to the server's scale timeout.
+            status = succeeded(url, "grow-to-4", 4, timeout_s=SERVER_SCALE_TIMEOUT_S)
             assert status["phase"] == "serving_expanded", status
             with httpx.Client() as client:
                 for i in range(8):  # round-robin over 4 shards: 2 each
@@ -164,9 +167,12 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             time.sleep(3.0)  # the follower is connected and past the backlog
+            # Both joiners start beside two ranks (fast), each registered in slot order,
+            # before the POSTs; a registered joiner waits up to 300 s to be admitted.
             cluster.start_joiner("scale", rank_offset=2).wait_for_log(JOINER_REGISTERED,
                                                                       SCALE_TIMEOUT_S)
             again3 = cluster.start_joiner("scale", rank_offset=3)
+            again3.wait_for_log(JOINER_REGISTERED, SCALE_TIMEOUT_S)
             grow = subprocess.run(
                 [*CLI, "scale", "--url", url, "--to", "3", "--wait", "--operation-id",
                  "grow-again", "--timeout", str(SCALE_TIMEOUT_S), "--http-timeout", "60"],
