@@ -1,24 +1,26 @@
 """Runtime scale-up to four ranks and scale-down on the CPU cluster under steady load (NIXL EP):
-2 -> 3 -> 4 -> 2 -> 3 -> 4 -> 3 -> 1, one cluster (starting one costs a minute on 2 cores).
+2 -> 3 -> 4 -> 2 -> 3 -> 4 -> 3 -> 2 -> 3 -> 1, one cluster (starting one costs a minute).
 
 The launch placement (``--init-expert-location``, 16 slots per rank) puts experts 0..7 twice on
 rank 0 and 8..15 twice on rank 1, so rank 0 alone lacks half of the experts; a joiner's slots
 get copies (upstream appends trivial slots).
 
-1. 2 -> 3 -> 4: 3 is POSTed first, then the joiner for rank 2 is launched, and the one for
-   rank 3 once rank 2's has registered with Mooncake (slots register in order); rank 3's joiner
-   is waiting when 4 is POSTed (the RFC's ``new_tp_size``, replayed by operation id). So both
-   orders, joiner after and before the POST. (Rank 3's joiner starts beside three busy ranks on
-   two cores: minutes.) The DP router sends requests to shards 2
-   and 3; every rank reports experts.
-2. 4 -> 2 under load: a long request running on shard 3 finishes first (drain); a second scale
-   request meanwhile gets 409; ranks 2 and 3 become ``safe_to_terminate`` and both joiners'
-   servers exit 0. The staying ranks keep exactly their slots.
-3. 2 -> 3 -> 4 again into the freed slots with new joiners, both launched (in slot order)
-   before the POSTs; 3 driven by the orchestrator CLI (``sglang-eep scale --wait``, exit 0)
-   while ``sglang-eep events --follow`` prints the operation's events live.
-4. 4 -> 3: rank 3 leaves, its server exits 0.
-5. 3 -> 1: experts 8..15 exist only on the leaving ranks 1 and 2; their weights move P2P into
+Joiners start while two ranks serve (beside three busy ranks on two cores one takes minutes),
+and for consecutive slots in slot order: the one for rank 3 once rank 2's has registered with
+Mooncake (WORLD grows append-only). A registered joiner waits up to 300 s to be admitted.
+
+1. 2 -> 3 -> 4 with both joiners waiting before the POSTs (4 as the RFC's ``new_tp_size``,
+   replayed by operation id). The DP router sends requests to shards 2 and 3; every rank
+   reports experts.
+2. 4 -> 2 under load: a long request running on shard 3 finishes first (drain); a second
+   scale request meanwhile gets 409; ranks 2 and 3 become ``safe_to_terminate`` and both
+   joiners' servers exit 0. The staying ranks keep exactly their slots.
+3. 2 -> 3 -> 4 again into the freed slots with new joiners, 3 driven by the orchestrator CLI
+   (``sglang-eep scale --wait``, exit 0) while ``sglang-eep events --follow`` prints the
+   operation's events live.
+4. 4 -> 3, then 3 -> 2: one rank leaves each time, its server exits 0.
+5. 2 -> 3 with the POST first and the joiner launched after it.
+6. 3 -> 1: experts 8..15 exist only on the leaving ranks 1 and 2; their weights move P2P into
    rank 0's duplicate slots on the commit pass before the ranks go (rank 1 parks: its server
    is node 0's). The unchanged greedy outputs on one rank show the weights arrived intact.
 
@@ -49,11 +51,12 @@ from sglang_elastic_ep.cluster.observe import (
 from sglang_elastic_ep.cluster.observe import status as read_status
 
 SCALE_TIMEOUT_S = 420
-SERVER_SCALE_TIMEOUT_S = 600  # upstream's --elastic-ep-scale-timeout default
 CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
 EXIT_TIMEOUT_S = 60
 GROW = ["scale_requested", "rank_joined", "scale_committed"]
 SHRINK = ["scale_requested", "scale_committed", "safe_to_terminate"]
+LONG_TOKENS = 24  # four ranks on two cores decode about a token a second under load
+DRAIN_TIMEOUT_S = 180
 HALVES = [*range(8), *range(8), *range(8, 16), *range(8, 16)]  # 2 ranks x 16 slots
 
 
@@ -62,9 +65,9 @@ def scale(url: str, size: int, operation_id: str, field: str = "new_ep_size") ->
                       json={field: size, "operation_id": operation_id}, timeout=60)
 
 
-def succeeded(url: str, operation_id: str, size: int, timeout_s: float = SCALE_TIMEOUT_S) -> dict:
+def succeeded(url: str, operation_id: str, size: int) -> dict:
     """The status once ``operation_id`` succeeded at ``size`` ranks (its error otherwise)."""
-    operation = wait_operation(url, operation_id, timeout_s)
+    operation = wait_operation(url, operation_id, SCALE_TIMEOUT_S)
     assert operation["result"] == "succeeded", operation
     status = read_status(url)
     assert status["effective_ep_size"] == size, status
@@ -90,13 +93,13 @@ def states(url: str) -> list[str]:
 
 
 def shrink_with_a_long_request_on(url: str, shard: int, size: int, operation_id: str) -> None:
-    """POST the shrink while a 48-token request runs on ``shard`` (a leaving one): the drain
-    waits for it, and a second scale request meanwhile gets 409."""
+    """POST the shrink while a long request runs on ``shard`` (a leaving one): the drain waits
+    for it, and a second scale request meanwhile gets 409."""
     with ThreadPoolExecutor(1) as pool:
         long_request = pool.submit(
             httpx.post, url + "/generate", timeout=300,
             json={"text": "a long answer", "routed_dp_rank": shard,
-                  "sampling_params": {"max_new_tokens": 48, "temperature": 0,
+                  "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 0,
                                       "ignore_eos": True}},
         )
         time.sleep(1.0)
@@ -107,7 +110,17 @@ def shrink_with_a_long_request_on(url: str, shard: int, size: int, operation_id:
         assert conflict.status_code == 409, conflict.text
         drained = long_request.result()
     assert drained.status_code == 200, drained.text
-    assert drained.json()["meta_info"]["completion_tokens"] == 48, drained.text
+    assert drained.json()["meta_info"]["completion_tokens"] == LONG_TOKENS, drained.text
+
+
+def registered_joiners(cluster: LocalCluster, *slots: int) -> list[ServerProcess]:
+    """Joiners for ``slots``, each launched once the previous one registered with Mooncake."""
+    joiners = []
+    for slot in slots:
+        joiner = cluster.start_joiner("scale", rank_offset=slot)
+        joiner.wait_for_log(JOINER_REGISTERED, SCALE_TIMEOUT_S)
+        joiners.append(joiner)
+    return joiners
 
 
 def left_and_exited(joiner: ServerProcess) -> None:
@@ -118,7 +131,7 @@ def left_and_exited(joiner: ServerProcess) -> None:
 def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
     placement = json.dumps({"physical_to_logical_map": [HALVES, HALVES]})  # both MoE layers
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
-                       extra_args=["--elastic-ep-drain-timeout", "60",
+                       extra_args=["--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S),
                                    "--ep-num-redundant-experts", "16",
                                    "--init-expert-location", placement])
     with LocalCluster(spec) as cluster:
@@ -129,18 +142,15 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
         load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
         follower: subprocess.Popen[str] | None = None
         try:
-            # 1. 2 -> 3 (POST, then the joiners) -> 4 (its joiner already waiting).
+            # 1. 2 -> 3 -> 4, both joiners registered first.
+            rank2, rank3 = registered_joiners(cluster, 2, 3)
             assert scale(url, 3, "grow-to-3").status_code == 200
-            rank2 = cluster.start_joiner("scale", rank_offset=2)
-            rank2.wait_for_log(JOINER_REGISTERED, SCALE_TIMEOUT_S)  # slots join in order
-            rank3 = cluster.start_joiner("scale", rank_offset=3)
             succeeded(url, "grow-to-3", 3)
             first = scale(url, 4, "grow-to-4", field="new_tp_size")  # the RFC's name
             assert first.status_code == 200, first.text
             again = scale(url, 4, "grow-to-4", field="new_tp_size")
             assert again.status_code == 200 and again.json()["replayed"] is True, again.text
-            # Rank 3's joiner started beside three busy ranks: up to the server's scale timeout.
-            status = succeeded(url, "grow-to-4", 4, timeout_s=SERVER_SCALE_TIMEOUT_S)
+            status = succeeded(url, "grow-to-4", 4)
             assert status["phase"] == "serving_expanded", status
             with httpx.Client() as client:
                 for i in range(8):  # round-robin over 4 shards: 2 each
@@ -166,13 +176,7 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
                 [*CLI, "events", "--url", url, "--follow", "--json", "--max-events", "3"],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
-            time.sleep(3.0)  # the follower is connected and past the backlog
-            # Both joiners start beside two ranks (fast), each registered in slot order,
-            # before the POSTs; a registered joiner waits up to 300 s to be admitted.
-            cluster.start_joiner("scale", rank_offset=2).wait_for_log(JOINER_REGISTERED,
-                                                                      SCALE_TIMEOUT_S)
-            again3 = cluster.start_joiner("scale", rank_offset=3)
-            again3.wait_for_log(JOINER_REGISTERED, SCALE_TIMEOUT_S)
+            again2, again3 = registered_joiners(cluster, 2, 3)
             grow = subprocess.run(
                 [*CLI, "scale", "--url", url, "--to", "3", "--wait", "--operation-id",
                  "grow-again", "--timeout", str(SCALE_TIMEOUT_S), "--http-timeout", "60"],
@@ -185,19 +189,27 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
             succeeded(url, "grow-again-to-4", 4)
             time.sleep(3.0)  # load on four shards
 
-            # 4. 4 -> 3.
+            # 4. 4 -> 3 -> 2, one rank at a time.
             assert scale(url, 3, "shrink-to-3").status_code == 200
             status = succeeded(url, "shrink-to-3", 3)
             assert status["safe_to_terminate_ranks"] == [3], status
             left_and_exited(again3)
+            assert scale(url, 2, "shrink-again-to-2").status_code == 200
+            succeeded(url, "shrink-again-to-2", 2)
+            left_and_exited(again2)
 
-            # 5. 3 -> 1: experts 8..15 live only on the leaving ranks 1 and 2.
+            # 5. 2 -> 3, the POST first.
+            assert scale(url, 3, "grow-post-first").status_code == 200
+            last2 = cluster.start_joiner("scale", rank_offset=2)
+            succeeded(url, "grow-post-first", 3)
             assert 8 not in wait_experts_reported(url, ranks=3)[0]
+
+            # 6. 3 -> 1: experts 8..15 live only on the leaving ranks 1 and 2.
             assert scale(url, 1, "shrink-to-1").status_code == 200
             succeeded(url, "shrink-to-1", 1)
             assert wait_experts_reported(url, ranks=1) == [list(range(16))]
             assert states(url)[:3] == ["active", "safe_to_terminate", "safe_to_terminate"]
-            left_and_exited(cluster.joiners[-2])  # rank 2's server
+            left_and_exited(last2)
             time.sleep(3.0)  # load on one rank
         finally:
             results = load.stop()
@@ -210,9 +222,10 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
         assert not changed, f"outputs changed: {changed[:3]}"
         assert greedy_reference(url) == reference
         ops = operation_events(sse_events(url))
-        for grown_id in ("grow-to-3", "grow-to-4", "grow-again", "grow-again-to-4"):
+        for grown_id in ("grow-to-3", "grow-to-4", "grow-again", "grow-again-to-4",
+                         "grow-post-first"):
             assert ops[grown_id] == GROW, (grown_id, ops)
-        for shrunk_id in ("shrink-to-2", "shrink-to-3", "shrink-to-1"):
+        for shrunk_id in ("shrink-to-2", "shrink-to-3", "shrink-again-to-2", "shrink-to-1"):
             assert ops[shrunk_id] == SHRINK, (shrunk_id, ops)
         live = [json.loads(line) for line in followed.splitlines() if line.startswith("{")]
         assert [(e["type"], e["operation_id"]) for e in live] == [
