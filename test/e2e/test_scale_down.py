@@ -5,11 +5,11 @@ The launch placement (``--init-expert-location``, 16 slots per rank) puts expert
 rank 0 and 8..15 twice on rank 1, so rank 0 alone lacks half of the experts; a joiner's slots
 get copies (upstream appends trivial slots).
 
-1. 2 -> 3 -> 4 with both joiners launched and registered before the POSTs (4 as the RFC's
-   ``new_tp_size``, replayed by operation id). They start while two ranks serve (beside three
-   busy ranks on two cores one takes minutes), rank 3's once rank 2's has registered with
-   Mooncake (WORLD grows append-only, slots register in order). The DP router sends requests
-   to shards 2 and 3; every rank reports experts.
+1. 2 -> 3 -> 4, each size POSTed first and its joiner launched after (4 as the RFC's
+   ``new_tp_size``, replayed by operation id); the joiner-first order is test_scale_up.py's.
+   One joiner starts at a time: rank 3's beside three busy ranks, which takes minutes on two
+   cores (hence one load client here). The DP router sends requests to shards 2 and 3; every
+   rank reports experts.
 2. 4 -> 3 under load: a long request running on shard 3 finishes first (drain); a second scale
    request meanwhile gets 409; rank 3 becomes ``safe_to_terminate`` and its server exits 0.
    The staying ranks keep exactly their slots.
@@ -42,7 +42,7 @@ import httpx
 import pytest
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.launcher import JOINER_REGISTERED, ServerProcess
+from sglang_elastic_ep.cluster.launcher import ServerProcess
 from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
 from sglang_elastic_ep.cluster.observe import (
     batches_run_by,
@@ -115,16 +115,6 @@ def shrink_with_a_long_request_on(url: str, shard: int, size: int, operation_id:
     assert drained.json()["meta_info"]["completion_tokens"] == LONG_TOKENS, drained.text
 
 
-def registered_joiners(cluster: LocalCluster, *slots: int) -> list[ServerProcess]:
-    """Joiners for ``slots``, each launched once the previous one registered with Mooncake."""
-    joiners = []
-    for slot in slots:
-        joiner = cluster.start_joiner("scale", rank_offset=slot)
-        joiner.wait_for_log(JOINER_REGISTERED, SCALE_TIMEOUT_S)
-        joiners.append(joiner)
-    return joiners
-
-
 def left_and_exited(joiner: ServerProcess) -> None:
     assert joiner.wait_exit(EXIT_TIMEOUT_S) == 0, joiner.log_tail()
 
@@ -141,17 +131,21 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
         reference = greedy_reference(url)
         assert wait_experts_reported(url, ranks=2) == [list(range(8)), list(range(8, 16))]
 
-        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+        # One client: a joiner starting beside three busy ranks on two cores is slow enough.
+        load = LoadClient(url, concurrency=1, max_new_tokens=8).start()
         follower: subprocess.Popen[str] | None = None
         try:
-            # 1. 2 -> 3 -> 4, both joiners registered first.
-            rank2, rank3 = registered_joiners(cluster, 2, 3)
+            # 1. 2 -> 3 -> 4, each POST first, then its joiner: one joiner starts at a time (two
+            # starting together starved the first one's post-admission start-up past
+            # Mooncake's heartbeat timeout: evicted).
             assert scale(url, 3, "grow-to-3").status_code == 200
+            rank2 = cluster.start_joiner("scale", rank_offset=2)
             succeeded(url, "grow-to-3", 3)
             first = scale(url, 4, "grow-to-4", field="new_tp_size")  # the RFC's name
             assert first.status_code == 200, first.text
             again = scale(url, 4, "grow-to-4", field="new_tp_size")
             assert again.status_code == 200 and again.json()["replayed"] is True, again.text
+            rank3 = cluster.start_joiner("scale", rank_offset=3)
             status = succeeded(url, "grow-to-4", 4)
             assert status["phase"] == "serving_expanded", status
             with httpx.Client() as client:

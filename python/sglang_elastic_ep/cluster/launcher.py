@@ -156,17 +156,6 @@ class ServerProcess:
         text = [line for line in text if "is ignored: it is neither" not in line]
         return "\n".join(text[-lines:])
 
-    def wait_for_log(self, text: str, timeout_s: float) -> None:
-        """Until ``text`` appears in this server's log (it must stay alive meanwhile)."""
-        deadline = time.monotonic() + timeout_s
-        while text not in self.log_path.read_text(errors="replace"):
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode} before "
-                                   f"logging {text!r}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} did not log {text!r} in {timeout_s} s")
-            time.sleep(0.5)
-
     def wait_ready(self, timeout_s: float, path: str = "/health_generate") -> None:
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=5.0) as client:
@@ -215,10 +204,6 @@ def _kill_leftovers() -> None:
             server.stop(grace_s=3.0)
         except Exception:  # best effort at interpreter exit
             pass
-
-
-# Logged by a joiner's scheduler once its process groups exist (Mooncake WORLD registered).
-JOINER_REGISTERED = "Init parallel ends."
 
 
 class LocalCluster:
@@ -315,10 +300,7 @@ class LocalCluster:
     def start_joiner(self, mode: str, rank_offset: int, size: int = 1) -> ServerProcess:
         """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size).
 
-        Joiners for consecutive slots must reach Mooncake in slot order: WORLD grows append-only,
-        and a joiner registering past a slot not yet registered makes the lower one's
-        registration fail ("no append-compatible extension target"). Launch the next one after
-        :meth:`ServerProcess.wait_for_log` saw ``JOINER_REGISTERED`` in this one's log.
+        Joiners for consecutive slots must reach Mooncake in slot order (docs/operations.md).
 
         ``recover`` replaces a failed joiner: the same command as the original with the other
         mode (the primary's own nodes come back through :meth:`start_node`)."""
