@@ -1,30 +1,29 @@
-"""Runtime scale-up to four ranks and scale-down on the CPU cluster under steady load (NIXL EP):
-2 -> 3 -> 4 -> 3 -> 4 -> 2 -> 1, one cluster (starting one costs a minute on 2 cores).
+"""Runtime scale-down and scale-up to four ranks on the CPU cluster under steady load (NIXL EP):
+2 -> 3 -> 2 -> 3 -> 4 -> 3 -> 1, one cluster (starting one costs a minute on 2 cores).
 
 The launch placement (``--init-expert-location``, 16 slots per rank) puts experts 0..7 twice on
 rank 0 and 8..15 twice on rank 1, so rank 0 alone lacks half of the experts; a joiner's slots
 get copies (upstream appends trivial slots).
 
-1. 2 -> 3 -> 4, each size POSTed first and its joiner launched after (4 as the RFC's
-   ``new_tp_size``, replayed by operation id); the joiner-first order is test_scale_up.py's.
-   One joiner starts at a time: rank 3's beside three busy ranks, which takes minutes on two
-   cores (hence one load client here). The DP router sends requests to shards 2 and 3; every
-   rank reports experts.
-2. 4 -> 3 under load: a long request running on shard 3 finishes first (drain); a second scale
-   request meanwhile gets 409; rank 3 becomes ``safe_to_terminate`` and its server exits 0.
+1. 2 -> 3 with the joiner launched before the POST.
+2. 3 -> 2 under load: a long request running on shard 2 finishes first (drain); a second scale
+   request meanwhile gets 409; rank 2 becomes ``safe_to_terminate`` and its server exits 0.
    The staying ranks keep exactly their slots.
-3. 3 -> 4 into the freed slot with a new joiner launched after the POST, driven by the
-   orchestrator CLI (``sglang-eep scale --wait``, exit 0) while ``sglang-eep events --follow``
-   prints the operation's events live.
-4. 4 -> 2: both joiners leave at once, their servers exit 0.
-5. 2 -> 1: experts 8..15 exist only on the leaving rank 1; their weights move P2P into rank
-   0's duplicate slots on the commit pass before it goes (it parks: its server is node 0's).
-   The unchanged greedy outputs on one rank show the weights arrived intact.
+3. 2 -> 3 again into the freed slot, the POST first (the orchestrator CLI's
+   ``sglang-eep scale --wait``, exit 0) and the new joiner launched after it, while
+   ``sglang-eep events --follow`` prints the operation's events live.
+4. 3 -> 4 with the RFC's ``new_tp_size`` (replayed by operation id), the joiner after the POST.
+   It starts beside three busy ranks: minutes on two cores (hence one load client here). The
+   DP router sends requests to shards 2 and 3; every rank reports experts.
+5. 4 -> 3 with a long request on shard 3; its server exits 0.
+6. 3 -> 1: experts 8..15 exist only on the leaving ranks 1 and 2; their weights move P2P into
+   rank 0's duplicate slots on the commit pass before the ranks go (rank 1 parks: its server
+   is node 0's). The unchanged greedy outputs on one rank show the weights arrived intact.
 
-Mooncake's WORLD keeps the largest size it reached, and a joiner for one slot asks for a WORLD
-of its slot + 1: after 4 -> 2 or 4 -> 3 -> 2 a joiner for slot 2 alone is refused ("no
-append-compatible extension target"), so the chain regrows only into the top slot
-(docs/operations.md).
+One joiner starts at a time: one admitted while the next was starting beside it went quiet
+past Mooncake's heartbeat timeout and was evicted (docs/cpu-testbed.md). And Mooncake's WORLD
+keeps the largest size it reached, so only the top freed slot can be refilled by a one-rank
+joiner: the regrow happens before the cluster first reaches four (docs/operations.md).
 
 Throughout: no request fails, and the fixed prompts decode to the same tokens.
 """
@@ -67,9 +66,9 @@ def scale(url: str, size: int, operation_id: str, field: str = "new_ep_size") ->
                       json={field: size, "operation_id": operation_id}, timeout=60)
 
 
-def succeeded(url: str, operation_id: str, size: int) -> dict:
+def succeeded(url: str, operation_id: str, size: int, timeout_s: float = SCALE_TIMEOUT_S) -> dict:
     """The status once ``operation_id`` succeeded at ``size`` ranks (its error otherwise)."""
-    operation = wait_operation(url, operation_id, SCALE_TIMEOUT_S)
+    operation = wait_operation(url, operation_id, timeout_s)
     assert operation["result"] == "succeeded", operation
     status = read_status(url)
     assert status["effective_ep_size"] == size, status
@@ -120,7 +119,7 @@ def left_and_exited(joiner: ServerProcess) -> None:
 
 
 @pytest.mark.timeout(1800)
-def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
+def test_shrink_regrow_grow_to_4_and_shrink_to_1_under_load(tiny_model: Path) -> None:
     placement = json.dumps({"physical_to_logical_map": [HALVES, HALVES]})  # both MoE layers
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
                        extra_args=["--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S),
@@ -135,70 +134,71 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
         load = LoadClient(url, concurrency=1, max_new_tokens=8).start()
         follower: subprocess.Popen[str] | None = None
         try:
-            # 1. 2 -> 3 -> 4, each POST first, then its joiner: one joiner starts at a time (two
-            # starting together starved the first one's post-admission start-up past
-            # Mooncake's heartbeat timeout: evicted).
-            assert scale(url, 3, "grow-to-3").status_code == 200
+            # 1. 2 -> 3, the joiner first.
             rank2 = cluster.start_joiner("scale", rank_offset=2)
+            assert scale(url, 3, "grow-to-3").status_code == 200
             succeeded(url, "grow-to-3", 3)
-            first = scale(url, 4, "grow-to-4", field="new_tp_size")  # the RFC's name
-            assert first.status_code == 200, first.text
-            again = scale(url, 4, "grow-to-4", field="new_tp_size")
-            assert again.status_code == 200 and again.json()["replayed"] is True, again.text
-            rank3 = cluster.start_joiner("scale", rank_offset=3)
-            status = succeeded(url, "grow-to-4", 4)
-            assert status["phase"] == "serving_expanded", status
-            with httpx.Client() as client:
-                for i in range(8):  # round-robin over 4 shards: 2 each
-                    assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
-            assert batches_run_by(rank2.log_path, 2) > 0, "the DP router must use new shard 2"
-            assert batches_run_by(rank3.log_path, 3) > 0, "the DP router must use new shard 3"
-            placed = wait_experts_reported(url, ranks=4)
-            assert placed[2] and placed[3], placed
-            assert set().union(*placed) == set(range(16)), placed
+            placed = wait_experts_reported(url, ranks=3)
+            assert placed[2] and set().union(*placed) == set(range(16)), placed
 
-            # 2. 4 -> 3 with a long request on the leaving shard.
-            shrink_with_a_long_request_on(url, 3, 3, "shrink-to-3")
-            status = succeeded(url, "shrink-to-3", 3)
+            # 2. 3 -> 2 with a long request on the leaving shard.
+            shrink_with_a_long_request_on(url, 2, 2, "shrink-to-2")
+            status = succeeded(url, "shrink-to-2", 2)
             assert status["phase"] == "serving_contracted", status
-            assert states(url) == ["active", "active", "active", "safe_to_terminate"]
-            assert status["safe_to_terminate_ranks"] == [3], status
-            left_and_exited(rank3)
-            assert wait_experts_reported(url, ranks=3) == placed[:3]
+            assert states(url)[:3] == ["active", "active", "safe_to_terminate"]
+            assert status["safe_to_terminate_ranks"] == [2], status
+            left_and_exited(rank2)
+            assert wait_experts_reported(url, ranks=2) == placed[:2]
 
-            # 3. 3 -> 4 into the freed slot: the CLI's POST first, then the joiner.
+            # 3. 2 -> 3 into the freed slot: the CLI's POST first, then the joiner.
             follower = subprocess.Popen(
                 [*CLI, "events", "--url", url, "--follow", "--json", "--max-events", "3"],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             time.sleep(3.0)  # the follower is connected and past the backlog
             grow = subprocess.Popen(
-                [*CLI, "scale", "--url", url, "--to", "4", "--wait", "--operation-id",
+                [*CLI, "scale", "--url", url, "--to", "3", "--wait", "--operation-id",
                  "grow-again", "--timeout", str(SCALE_TIMEOUT_S), "--http-timeout", "60"],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             time.sleep(3.0)  # the POST is in
-            again3 = cluster.start_joiner("scale", rank_offset=3)
+            again2 = cluster.start_joiner("scale", rank_offset=2)
             grown, _ = grow.communicate(timeout=SCALE_TIMEOUT_S + 60)
             assert grow.returncode == 0, grown
             followed, _ = follower.communicate(timeout=60)
             assert follower.returncode == 0, followed
-            assert read_status(url)["effective_ep_size"] == 4
-            time.sleep(3.0)  # load on four shards
 
-            # 4. 4 -> 2: both joiners leave together.
-            assert scale(url, 2, "shrink-to-2").status_code == 200
-            status = succeeded(url, "shrink-to-2", 2)
-            assert status["safe_to_terminate_ranks"] == [2, 3], status
-            left_and_exited(rank2)
-            left_and_exited(again3)
-            assert wait_experts_reported(url, ranks=2) == placed[:2]
+            # 4. 3 -> 4, the POST first.
+            first = scale(url, 4, "grow-to-4", field="new_tp_size")  # the RFC's name
+            assert first.status_code == 200, first.text
+            again = scale(url, 4, "grow-to-4", field="new_tp_size")
+            assert again.status_code == 200 and again.json()["replayed"] is True, again.text
+            rank3 = cluster.start_joiner("scale", rank_offset=3)
+            # Up to upstream's --elastic-ep-scale-timeout (600 s): it took 6 minutes.
+            status = succeeded(url, "grow-to-4", 4, timeout_s=600)
+            assert status["phase"] == "serving_expanded", status
+            with httpx.Client() as client:
+                for i in range(8):  # round-robin over 4 shards: 2 each
+                    assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
+            assert batches_run_by(again2.log_path, 2) > 0, "the DP router must use shard 2"
+            assert batches_run_by(rank3.log_path, 3) > 0, "the DP router must use new shard 3"
+            placed = wait_experts_reported(url, ranks=4)
+            assert placed[3] and set().union(*placed) == set(range(16)), placed
 
-            # 5. 2 -> 1: experts 8..15 live only on the leaving rank 1.
+            # 5. 4 -> 3 with a long request on the leaving shard.
+            shrink_with_a_long_request_on(url, 3, 3, "shrink-to-3")
+            status = succeeded(url, "shrink-to-3", 3)
+            assert states(url) == ["active", "active", "active", "safe_to_terminate"]
+            assert status["safe_to_terminate_ranks"] == [3], status
+            left_and_exited(rank3)
+            assert wait_experts_reported(url, ranks=3) == placed[:3]
+
+            # 6. 3 -> 1: experts 8..15 live only on the leaving ranks 1 and 2.
             assert scale(url, 1, "shrink-to-1").status_code == 200
             succeeded(url, "shrink-to-1", 1)
             assert wait_experts_reported(url, ranks=1) == [list(range(16))]
-            assert states(url)[:2] == ["active", "safe_to_terminate"]
+            assert states(url)[:3] == ["active", "safe_to_terminate", "safe_to_terminate"]
+            left_and_exited(again2)
             time.sleep(3.0)  # load on one rank
         finally:
             results = load.stop()
@@ -211,9 +211,9 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
         assert not changed, f"outputs changed: {changed[:3]}"
         assert greedy_reference(url) == reference
         ops = operation_events(sse_events(url))
-        for grown_id in ("grow-to-3", "grow-to-4", "grow-again"):
+        for grown_id in ("grow-to-3", "grow-again", "grow-to-4"):
             assert ops[grown_id] == GROW, (grown_id, ops)
-        for shrunk_id in ("shrink-to-3", "shrink-to-2", "shrink-to-1"):
+        for shrunk_id in ("shrink-to-2", "shrink-to-3", "shrink-to-1"):
             assert ops[shrunk_id] == SHRINK, (shrunk_id, ops)
         live = [json.loads(line) for line in followed.splitlines() if line.startswith("{")]
         assert [(e["type"], e["operation_id"]) for e in live] == [
@@ -222,6 +222,6 @@ def test_scale_2_to_4_and_down_to_1_under_load(tiny_model: Path) -> None:
         ], followed
         primary_log = cluster.primary.log_path.read_text(errors="replace")
         # Only the last shrink needed a move: 8 experts x 2 layers into rank 0's slots.
-        assert primary_log.count("rank 0: moved experts into") == 1, "only 2 -> 1 moves"
-        assert "rank 0: moved experts into 16 slots of ranks 0..0 before ranks 1..1 leave" \
+        assert primary_log.count("rank 0: moved experts into") == 1, "only 3 -> 1 moves"
+        assert "rank 0: moved experts into 16 slots of ranks 0..0 before ranks 1..2 leave" \
             in primary_log
