@@ -104,3 +104,11 @@ def test_a_drain_confirmation_read_after_the_commit_is_recognised(
     assert not scale_down.is_late_drain_confirmation(pending, 2)  # still draining
     monkeypatch.setattr(scale_down, "_committed_shrink", None)
     assert not scale_down.is_late_drain_confirmation(committed, 2)  # no shrink committed
+
+
+def test_a_shrink_below_two_attention_dp_ranks_is_refused() -> None:
+    message = scale_down.too_few_dp_ranks(True, 1, 1)
+    assert message is not None and "keep at least 2 ranks" in message
+    assert scale_down.too_few_dp_ranks(True, 2, 1) is None
+    assert scale_down.too_few_dp_ranks(True, 2, 2) is not None  # one replica of two ranks
+    assert scale_down.too_few_dp_ranks(False, 1, 1) is None  # no attention DP: no such limit

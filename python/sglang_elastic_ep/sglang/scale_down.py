@@ -66,10 +66,23 @@ def refusal(state: Any, new_ep_size: int) -> str | None:
     if new_ep_size % replica:
         return (f"new_ep_size ({new_ep_size}) would split an attention replica of {replica} "
                 "ranks: choose a multiple of it")
+    too_few = too_few_dp_ranks(bool(get_parallel().attn_dp_enabled), new_ep_size, replica)
+    if too_few is not None:
+        return too_few
     if _state_manager().is_scaling():
         return ("another scale or a recovery is in progress: wait until it finishes "
                 "(GET /elastic_ep/status), then retry")
     return shrink_refusal(old, new_ep_size)
+
+
+def too_few_dp_ranks(attn_dp_enabled: bool, new_ep_size: int, replica: int) -> str | None:
+    """Attention DP needs two DP ranks: upstream asserts it on every pass, so a shrink to one
+    crashed every scheduler right after its commit (seen: 3 -> 1)."""
+    if attn_dp_enabled and new_ep_size // replica < 2:
+        return (f"new_ep_size ({new_ep_size}) would leave {new_ep_size // replica} attention DP "
+                "rank, and attention DP needs at least 2: keep at least "
+                f"{2 * replica} ranks")
+    return None
 
 
 def is_late_drain_confirmation(state: Any, new_ep_size: int) -> bool:
