@@ -220,14 +220,9 @@ def finalize_scale_down(runner: Any, target: int, *, tell_tokenizer: bool = True
     state.active_ranks[target:] = 0
     state.snapshot_active_to_last()
     state.sync_active_to_cpu()
-    # One rank at a time, from the tail: Mooncake grows WORLD append-only, and after one
-    # proposal deactivating ranks [2, 3] a new joiner for slot 2 was refused ("no
-    # append-compatible extension target"); after [3] then [2] (4 -> 3 -> 2) it was admitted.
-    for leaver in reversed(leaving):
-        answer = deactivate_ranks(dist.group.WORLD, [leaver])
-        logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks([%d]): %s, epoch %s, "
-                    "dropped %s", rank, leaver, getattr(answer, "status", answer),
-                    getattr(answer, "new_epoch", "?"), getattr(answer, "dropped_ranks", "?"))
+    answer = deactivate_ranks(dist.group.WORLD, leaving)
+    logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks(%s): %s, epoch %s", rank,
+                leaving, getattr(answer, "status", answer), getattr(answer, "new_epoch", "?"))
     state.effective_ep_size = target
     state.pending_ep_size = None
     state.pending_since = None
