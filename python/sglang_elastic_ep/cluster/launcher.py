@@ -13,14 +13,24 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
 
-from sglang_elastic_ep.cluster.procs import dump_stacks, free_port_run, kill_tree, process_tree
+from sglang_elastic_ep.cluster.procs import (
+    dump_stacks,
+    free_port_run,
+    kill_tree,
+    process_tree,
+    processes_tagged,
+)
 from sglang_elastic_ep.cpu.shared_host import ENV_SHARED_HOST_NODE
+
+# Environment variable holding a cluster's own tag (see LocalCluster._kill_stragglers).
+CLUSTER_TAG_ENV = "SGLANG_EEP_CLUSTER_TAG"
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
@@ -171,7 +181,9 @@ class ServerProcess:
                 except httpx.HTTPError:
                     pass
                 time.sleep(1.0)
-        raise TimeoutError(f"{self.name} not ready in {timeout_s} s; log {self.log_path}")
+        raise TimeoutError(
+            f"{self.name} not ready in {timeout_s} s; log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def scheduler_pids(self) -> dict[int, int]:
         """EP rank -> pid of its scheduler process (read from the process titles SGLang sets)."""
@@ -223,6 +235,8 @@ class LocalCluster:
         # SGLang's global TCPStore (NIXL metadata, scale cohorts) listens on a fixed default
         # port; each cluster gets a free one, shared by its primary and joiners.
         self.env = {"SGLANG_TCP_STORE_PORT": str(self._take_port())}
+        # Every process of this cluster inherits the tag: stop() finds stragglers by it.
+        self.env[CLUSTER_TAG_ENV] = uuid.uuid4().hex
 
     def _take_port(self, derived_offset: int = 0) -> int:
         """A free port outside this cluster's other ports; with ``derived_offset`` (a
@@ -347,11 +361,31 @@ class LocalCluster:
                 errors.append(exc)
         self.joiners.clear()
         self.followers.clear()
+        self._kill_stragglers()
         if errors:
             raise errors[0]
 
+    def _kill_stragglers(self) -> None:
+        """Kill (by pid) any process of this cluster that outlived its server's tree, so the
+        next cluster never starts beside a leftover eating the two cores; said loudly, since
+        it is a teardown bug worth fixing."""
+        for proc in processes_tagged(CLUSTER_TAG_ENV, self.env[CLUSTER_TAG_ENV]):
+            try:
+                title = " ".join(proc.cmdline())[:120]
+            except psutil.Error:
+                title = "?"
+            print(f"[cluster] straggler pid {proc.pid} ({title}) outlived teardown; killing it")
+            kill_tree(proc.pid, hard=True)
+
     def __enter__(self) -> LocalCluster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException as exc:
+            # __exit__ does not run when __enter__ raises: dump and tear down here.
+            if not isinstance(exc, KeyboardInterrupt):
+                print(self.dump_stacks(f"cluster start failed: {type(exc).__name__}"))
+            self.stop()
+            raise
 
     def dump_stacks(self, tag: str, out: Path | None = None) -> str:
         """Stacks of every live server's schedulers, DP controller and main process, appended

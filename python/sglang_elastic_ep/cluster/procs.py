@@ -98,6 +98,20 @@ def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:
         raise RuntimeError(f"processes survived SIGKILL: {[p.pid for p in procs]}")
 
 
+def processes_tagged(name: str, value: str) -> list[psutil.Process]:
+    """Live processes whose environment holds ``name=value``: a cluster's processes carry its
+    own tag, so one that escaped its server's tree (reparented to init) is still found by what
+    we gave it, never by a process name."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(name) == value and not _is_zombie(proc):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
 def _is_zombie(proc: psutil.Process) -> bool:
     try:
         return proc.status() == psutil.STATUS_ZOMBIE
