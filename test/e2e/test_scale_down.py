@@ -1,5 +1,6 @@
 """Runtime scale-down and scale-up to four ranks on the CPU cluster under steady load (NIXL EP):
-2 -> 3 -> 2 -> 3 -> 4 -> 3 -> 2, one cluster (starting one costs a minute on 2 cores).
+2 -> 3 -> 2 -> 3 -> 4 -> 2 -> 3 -> 4 -> 3 -> 2, one cluster (starting one costs a minute on 2
+cores). It covers #5's 4 -> 3, 4 -> 2, 3 -> 2 -> 3 and 4 -> 2 -> 4 with new joiners.
 
 Upstream's trivial placement: ranks 0 and 1 hold experts 0..7 and 8..15 (8 slots each), a
 joiner's slots get copies. (With ``--init-expert-location`` putting each half twice on one
@@ -14,10 +15,14 @@ start-up map, which may not be the map rank 0 broadcasts. Not investigated yet.)
    ``sglang-eep scale --wait``, exit 0) and the new joiner launched after it, while
    ``sglang-eep events --follow`` prints the operation's events live.
 4. 3 -> 4 with the RFC's ``new_tp_size`` (replayed by operation id), the joiner after the POST.
-   It starts beside three busy ranks: minutes on two cores (hence one load client here). The
-   DP router sends requests to shards 2 and 3; every rank reports experts.
-5. 4 -> 3 with a long request on shard 3; its server exits 0.
-6. 3 -> 1 is refused with 422 (attention DP needs two DP ranks; upstream asserts it every
+   The DP router sends requests to shards 2 and 3; every rank reports experts.
+5. 4 -> 2 with a long request on shard 2: ranks 2 and 3 become ``safe_to_terminate`` together
+   and both servers exit 0.
+6. 2 -> 3 -> 4 with new joiners into both freed slots. Mooncake keeps WORLD at the four ranks
+   it reached; the slot-2 joiner registers for four (cpu/mooncake_cpu.py), else Mooncake
+   refuses it.
+7. 4 -> 3 with a long request on shard 3; its server exits 0.
+8. 3 -> 1 is refused with 422 (attention DP needs two DP ranks; upstream asserts it every
    pass, and a shrink to one crashed every scheduler), then 3 -> 2 with nothing to move.
 
 Moving experts needs a tail that holds experts no staying rank has; joiners only get copies,
@@ -25,9 +30,9 @@ and a launch rank can leave only to size 1, so here the move is covered by unit 
 planner and stays to be shown end to end after an EPLB rebalance.
 
 One joiner starts at a time: one admitted while the next was starting beside it went quiet
-past Mooncake's heartbeat timeout and was evicted (docs/cpu-testbed.md). And Mooncake's WORLD
-keeps the largest size it reached, so only the top freed slot can be refilled by a one-rank
-joiner: the regrow happens before the cluster first reaches four (docs/operations.md).
+past Mooncake's heartbeat timeout and was evicted (docs/cpu-testbed.md). The load client
+pauses between requests so that a joiner starting beside three ranks gets CPU time (on two
+cores it took 6 minutes beside back-to-back requests).
 
 Throughout: no request fails, and the fixed prompts decode to the same tokens.
 """
@@ -60,6 +65,9 @@ CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
 EXIT_TIMEOUT_S = 60
 GROW = ["scale_requested", "rank_joined", "scale_committed"]
 SHRINK = ["scale_requested", "scale_committed", "safe_to_terminate"]
+# A joiner starting beside three ranks: up to upstream's --elastic-ep-scale-timeout (600 s).
+JOIN_BESIDE_THREE_TIMEOUT_S = 600
+LOAD_PAUSE_S = 1.0
 LONG_TOKENS = 24  # four ranks on two cores decode about a token a second under load
 DRAIN_TIMEOUT_S = 180
 
@@ -117,12 +125,21 @@ def shrink_with_a_long_request_on(url: str, shard: int, size: int, operation_id:
     assert drained.json()["meta_info"]["completion_tokens"] == LONG_TOKENS, drained.text
 
 
+def assert_new_shards_serve(url: str, joiners: dict[int, ServerProcess]) -> None:
+    """Round-robin over four shards: every joiner's shard runs batches."""
+    with httpx.Client() as client:
+        for i in range(8):
+            assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
+    for shard, joiner in joiners.items():
+        assert batches_run_by(joiner.log_path, shard) > 0, f"the DP router must use shard {shard}"
+
+
 def left_and_exited(joiner: ServerProcess) -> None:
     assert joiner.wait_exit(EXIT_TIMEOUT_S) == 0, joiner.log_tail()
 
 
-@pytest.mark.timeout(1800)
-def test_shrink_regrow_grow_to_4_and_shrink_to_1_under_load(tiny_model: Path) -> None:
+@pytest.mark.timeout(2700)
+def test_shrink_and_regrow_between_2_and_4_under_load(tiny_model: Path) -> None:
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
                        extra_args=["--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S)])
     with LocalCluster(spec) as cluster:
@@ -130,8 +147,9 @@ def test_shrink_regrow_grow_to_4_and_shrink_to_1_under_load(tiny_model: Path) ->
         reference = greedy_reference(url)
         assert wait_experts_reported(url, ranks=2) == [list(range(8)), list(range(8, 16))]
 
-        # One client: a joiner starting beside three busy ranks on two cores is slow enough.
-        load = LoadClient(url, concurrency=1, max_new_tokens=8).start()
+        # One client with a pause between requests: a joiner starting beside three busy ranks
+        # on two cores is slow enough.
+        load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
         follower: subprocess.Popen[str] | None = None
         try:
             # 1. 2 -> 3, the joiner first.
@@ -174,26 +192,42 @@ def test_shrink_regrow_grow_to_4_and_shrink_to_1_under_load(tiny_model: Path) ->
             again = scale(url, 4, "grow-to-4", field="new_tp_size")
             assert again.status_code == 200 and again.json()["replayed"] is True, again.text
             rank3 = cluster.start_joiner("scale", rank_offset=3)
-            # Up to upstream's --elastic-ep-scale-timeout (600 s): it took 6 minutes.
-            status = succeeded(url, "grow-to-4", 4, timeout_s=600)
+            status = succeeded(url, "grow-to-4", 4, timeout_s=JOIN_BESIDE_THREE_TIMEOUT_S)
             assert status["phase"] == "serving_expanded", status
-            with httpx.Client() as client:
-                for i in range(8):  # round-robin over 4 shards: 2 each
-                    assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
-            assert batches_run_by(again2.log_path, 2) > 0, "the DP router must use shard 2"
-            assert batches_run_by(rank3.log_path, 3) > 0, "the DP router must use new shard 3"
+            assert_new_shards_serve(url, {2: again2, 3: rank3})
             placed = wait_experts_reported(url, ranks=4)
             assert placed[3] and set().union(*placed) == set(range(16)), placed
 
-            # 5. 4 -> 3 with a long request on the leaving shard.
+            # 5. 4 -> 2: both joiners leave after the long request on shard 2.
+            shrink_with_a_long_request_on(url, 2, 2, "shrink-4-to-2")
+            status = succeeded(url, "shrink-4-to-2", 2)
+            assert states(url) == ["active", "active", "safe_to_terminate", "safe_to_terminate"]
+            assert status["safe_to_terminate_ranks"] == [2, 3], status
+            left_and_exited(again2)
+            left_and_exited(rank3)
+            assert wait_experts_reported(url, ranks=2) == placed[:2]
+
+            # 6. 2 -> 3 -> 4 with new joiners (the slot-2 one asks Mooncake for four ranks).
+            regrown2 = cluster.start_joiner("scale", rank_offset=2)
+            assert scale(url, 3, "regrow-to-3").status_code == 200
+            succeeded(url, "regrow-to-3", 3)
+            assert "registers for 4, not 3" in regrown2.log_path.read_text(errors="replace")
+            assert scale(url, 4, "regrow-to-4").status_code == 200
+            regrown3 = cluster.start_joiner("scale", rank_offset=3)
+            succeeded(url, "regrow-to-4", 4, timeout_s=JOIN_BESIDE_THREE_TIMEOUT_S)
+            assert_new_shards_serve(url, {2: regrown2, 3: regrown3})
+            placed = wait_experts_reported(url, ranks=4)
+            assert placed[2] and placed[3] and set().union(*placed) == set(range(16)), placed
+
+            # 7. 4 -> 3 with a long request on the leaving shard.
             shrink_with_a_long_request_on(url, 3, 3, "shrink-to-3")
             status = succeeded(url, "shrink-to-3", 3)
             assert states(url) == ["active", "active", "active", "safe_to_terminate"]
             assert status["safe_to_terminate_ranks"] == [3], status
-            left_and_exited(rank3)
+            left_and_exited(regrown3)
             assert wait_experts_reported(url, ranks=3) == placed[:3]
 
-            # 6. 3 -> 1 is refused (attention DP needs two DP ranks) and changes nothing;
+            # 8. 3 -> 1 is refused (attention DP needs two DP ranks) and changes nothing;
             # 3 -> 2 then needs no move: ranks 0 and 1 hold every expert.
             refused = scale(url, 1, "shrink-to-1")
             assert refused.status_code == 422, refused.text
@@ -202,7 +236,7 @@ def test_shrink_regrow_grow_to_4_and_shrink_to_1_under_load(tiny_model: Path) ->
             assert scale(url, 2, "shrink-again-to-2").status_code == 200
             succeeded(url, "shrink-again-to-2", 2)
             assert wait_experts_reported(url, ranks=2) == [list(range(8)), list(range(8, 16))]
-            left_and_exited(again2)
+            left_and_exited(regrown2)
             time.sleep(3.0)  # load on two ranks
         finally:
             results = load.stop()
@@ -215,9 +249,9 @@ def test_shrink_regrow_grow_to_4_and_shrink_to_1_under_load(tiny_model: Path) ->
         assert not changed, f"outputs changed: {changed[:3]}"
         assert greedy_reference(url) == reference
         ops = operation_events(sse_events(url))
-        for grown_id in ("grow-to-3", "grow-again", "grow-to-4"):
+        for grown_id in ("grow-to-3", "grow-again", "grow-to-4", "regrow-to-3", "regrow-to-4"):
             assert ops[grown_id] == GROW, (grown_id, ops)
-        for shrunk_id in ("shrink-to-2", "shrink-to-3", "shrink-again-to-2"):
+        for shrunk_id in ("shrink-to-2", "shrink-4-to-2", "shrink-to-3", "shrink-again-to-2"):
             assert ops[shrunk_id] == SHRINK, (shrunk_id, ops)
         live = [json.loads(line) for line in followed.splitlines() if line.startswith("{")]
         assert [(e["type"], e["operation_id"]) for e in live] == [
