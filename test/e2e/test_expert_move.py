@@ -1,0 +1,91 @@
+"""Experts move before ranks leave (#5 item 3), end to end on the CPU cluster under load.
+
+Three launch ranks with 8 slots each (16 experts + 8 redundant) and a placement in which the
+leaving rank 2 holds experts 12..15 that no staying rank has:
+
+    rank 0: 0..7    rank 1: 8..11, 0..3    rank 2: 12..15, 4..7
+
+A scale-down to 2 must first move 12..15 into slots of ranks 0 and 1 that hold surplus copies
+(0..3 are on both), on the agreed commit pass (``sglang/expert_moves.py``: P2P from rank 2,
+which still serves), and only then let rank 2 go. Checked: every rank reports the experts the
+pure planner (``core/placement.scale_down_map``) gives, the log names the moved slots, no
+request fails, and the fixed prompts decode to the same tokens before, during and after (the
+moved weights are the right ones). Rank 2 shares its server with ranks 0 and 1, so it parks
+instead of exiting; the status lists it as safe to terminate.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep.cluster.load import greedy_reference
+from sglang_elastic_ep.cluster.observe import (
+    operation_events,
+    sse_events,
+    status,
+    wait_operation,
+)
+from sglang_elastic_ep.core.placement import experts_per_rank, scale_down_map
+
+SLOTS = 8
+LAUNCH_ROW = [*range(8), 8, 9, 10, 11, 0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7]
+SHRINK_TIMEOUT_S = 300
+
+
+def reported_experts(url: str, ranks: int, timeout_s: float = 60) -> list[list[int]]:
+    """Logical experts per rank once the status reports them for exactly ``ranks`` ranks."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = status(url)
+        experts = [r["experts"] for r in current["ranks"]]
+        if current["effective_ep_size"] == ranks and all(e is not None for e in experts[:ranks]) \
+                and all(e is None for e in experts[ranks:]):
+            return experts[:ranks]
+        assert time.monotonic() < deadline, f"experts of {ranks} ranks not reported: {current}"
+        time.sleep(1.0)
+
+
+@pytest.mark.timeout(900)
+def test_scale_down_moves_the_leaving_ranks_unique_experts_under_load(tiny_model: Path) -> None:
+    placement = json.dumps({"physical_to_logical_map": [LAUNCH_ROW, LAUNCH_ROW]})  # 2 MoE layers
+    spec = ClusterSpec(tiny_model, ep_size=3, max_ep_size=3, moe_a2a_backend="nixl",
+                       extra_args=["--ep-num-redundant-experts", "8",
+                                   "--init-expert-location", placement])
+    planned = experts_per_rank(scale_down_map([LAUNCH_ROW], 3, 2, 16)[0][:2 * SLOTS], SLOTS)
+    assert planned != experts_per_rank(LAUNCH_ROW[:2 * SLOTS], SLOTS), "the plan must move"
+    assert set().union(*planned.values()) == set(range(16)), planned
+    with LocalCluster(spec) as cluster:
+        url = cluster.url
+        reference = greedy_reference(url)
+        launch = experts_per_rank(LAUNCH_ROW, SLOTS)
+        assert reported_experts(url, 3) == [launch[r] for r in range(3)]
+
+        with LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=0.2) as load:
+            time.sleep(3.0)  # load before the shrink
+            shrink = httpx.post(url + "/scale_elastic_ep",
+                                json={"new_ep_size": 2, "operation_id": "shrink-with-move"},
+                                timeout=60)
+            assert shrink.status_code == 200, shrink.text
+            operation = wait_operation(url, "shrink-with-move", SHRINK_TIMEOUT_S)
+            assert operation["result"] == "succeeded", operation
+            time.sleep(3.0)  # load after the shrink
+        results = load.snapshot()
+
+        after = status(url)
+        assert after["effective_ep_size"] == 2, after
+        assert after["safe_to_terminate_ranks"] == [2], after
+        assert reported_experts(url, 2) == [planned[0], planned[1]]
+        failed = [r for r in results if not r.ok]
+        assert results and not failed, f"{len(failed)} of {len(results)} failed: {failed[:3]}"
+        changed = [r for r in results if r.output_ids != reference[r.prompt]]
+        assert not changed, f"outputs changed: {changed[:3]}"
+        assert greedy_reference(url) == reference
+        assert operation_events(sse_events(url))["shrink-with-move"] == [
+            "scale_requested", "scale_committed", "safe_to_terminate"]
+        assert "moved experts into" in cluster.primary.log_path.read_text(errors="replace")
