@@ -87,11 +87,12 @@ def failed_tail(active: Sequence[int], effective_size: int, launch_size: int) ->
     """The failed ranks among ``[0, effective_size)`` of the ``active`` mask (None: none failed).
 
     ``launch_size`` is the EP size the server was launched with: ranks below it are in the
-    launch-time groups and come back through upstream's recovery instead."""
-    if not 1 <= launch_size <= effective_size <= len(active):
+    launch-time groups and come back through upstream's recovery instead. The effective size
+    may be below it after a scale-down past the launch size."""
+    if launch_size < 1 or not 1 <= effective_size <= len(active):
         raise ValueError(
-            f"need 1 <= launch_size ({launch_size}) <= effective_size ({effective_size}) <= "
-            f"mask length ({len(active)})"
+            f"need launch_size ({launch_size}) >= 1 and 1 <= effective_size ({effective_size}) "
+            f"<= mask length ({len(active)})"
         )
     failed = [r for r in range(effective_size) if not active[r]]
     if not failed:

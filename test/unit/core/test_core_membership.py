@@ -76,7 +76,14 @@ def test_a_failed_launch_time_rank_after_a_scale_is_upstreams_to_refuse() -> Non
     assert tail.problem is not None and "launched with the server" in tail.problem
 
 
-@pytest.mark.parametrize("effective, launch", [(5, 2), (2, 3), (2, 0)])
+def test_after_a_shrink_below_the_launch_size_a_failed_rank_is_a_launch_rank() -> None:
+    assert failed_tail([1, 1, 0, 0], effective_size=2, launch_size=3) is None
+    tail = failed_tail([1, 0, 0, 0], effective_size=2, launch_size=3)
+    assert tail is not None and list(tail.ranks) == [1]
+    assert tail.problem is not None and "launched with the server" in tail.problem
+
+
+@pytest.mark.parametrize("effective, launch", [(5, 2), (0, 2), (2, 0)])
 def test_failed_tail_rejects_inconsistent_sizes(effective: int, launch: int) -> None:
     with pytest.raises(ValueError):
         failed_tail([1, 1, 1, 1], effective_size=effective, launch_size=launch)
