@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,11 +35,7 @@ CLUSTER_TAG_ENV = "SGLANG_EEP_CLUSTER_TAG"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
 DERIVED_PORTS = 6  # SGLang's port_base + 0..5 (detokenizer, rpc, metrics, ...; server_args.py)
-JOINER_PORT_DELTA = 233
-# A joiner starts at a higher priority (ServerProcess._boost_start) until its log shows this.
-JOINER_START_NICE = -5
-START_BOOST_UNTIL = "Init parallel begin."
-START_BOOST_MAX_S = 900.0  # a joiner's port_base is its --port + ZMQ_TCP_PORT_DELTA
+JOINER_PORT_DELTA = 233  # a joiner's port_base is its --port + ZMQ_TCP_PORT_DELTA
 
 # Settings every CPU server gets: the CPU engine, UCX on loopback for NIXL, unbuffered logs.
 CPU_ENV = {
@@ -131,7 +126,6 @@ class ServerProcess:
         log_dir: Path,
         cpus: int,
         extra_env: dict[str, str] | None = None,
-        start_nice: int = 0,
     ) -> None:
         self.name = name
         self.port = port
@@ -152,37 +146,6 @@ class ServerProcess:
         )
         self.pid = self.popen.pid
         _LIVE.add(self)
-        if start_nice:
-            self._boost_start(start_nice)
-
-    def _boost_start(self, nice: int) -> None:
-        """Run this server at ``nice`` until its ranks begin to join the process groups (the log
-        shows ``START_BOOST_UNTIL``), then at 0 again.
-
-        On the testbed a joiner shares two cores with the running ranks, whose passes and
-        Mooncake worker threads keep both busy under load: its imports and model load took 5 of
-        its 6.5 minutes beside three ranks. In production a joiner brings its own machine; the
-        boost stands in for that. It ends before the joiner takes part in any collective, so no
-        boosted thread ever waits on a rank it starves. Without permission to raise priority it
-        is skipped."""
-        try:
-            psutil.Process(self.pid).nice(nice)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, PermissionError):
-            return
-
-        def unboost() -> None:
-            deadline = time.monotonic() + START_BOOST_MAX_S
-            while self.alive() and time.monotonic() < deadline:
-                if START_BOOST_UNTIL in self.log_tail(400):
-                    break
-                time.sleep(1.0)
-            for proc in process_tree(self.pid):
-                try:
-                    proc.nice(0)
-                except psutil.Error:
-                    pass
-
-        threading.Thread(target=unboost, name=f"unboost-{self.name}", daemon=True).start()
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -377,8 +340,7 @@ class LocalCluster:
             "--elastic-ep-initial-size", str(self.spec.ep_size),
         ]
         joiner = ServerProcess(
-            f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size, self.env,
-            start_nice=JOINER_START_NICE,
+            f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size, self.env
         )
         self.joiners.append(joiner)
         return joiner
