@@ -30,9 +30,9 @@ and a launch rank can leave only to size 1, so here the move is covered by unit 
 planner and stays to be shown end to end after an EPLB rebalance.
 
 One joiner starts at a time: one admitted while the next was starting beside it went quiet
-past Mooncake's heartbeat timeout and was evicted (docs/cpu-testbed.md). The load client
-pauses between requests so that a joiner starting beside three ranks gets CPU time (on two
-cores it took 6 minutes beside back-to-back requests).
+past Mooncake's heartbeat timeout and was evicted (docs/cpu-testbed.md). A joiner starting
+beside three ranks takes about 6 minutes on two cores (one load client, 1 s between requests;
+the pause did not make it faster).
 
 Throughout: no request fails, and the fixed prompts decode to the same tokens.
 """
@@ -147,8 +147,7 @@ def test_shrink_and_regrow_between_2_and_4_under_load(tiny_model: Path) -> None:
         reference = greedy_reference(url)
         assert wait_experts_reported(url, ranks=2) == [list(range(8)), list(range(8, 16))]
 
-        # One client with a pause between requests: a joiner starting beside three busy ranks
-        # on two cores is slow enough.
+        # One client: a joiner starting beside three busy ranks on two cores is slow enough.
         load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
         follower: subprocess.Popen[str] | None = None
         try:
