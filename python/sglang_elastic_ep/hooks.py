@@ -137,7 +137,8 @@ HOOKS: tuple[Hook, ...] = (
          "remembers max_world_size/recovered_rank so WORLD on mooncake-cpu gets elastic options"),
     Hook("torch.distributed.distributed_c10d.init_process_group",
          "cpu.mooncake_cpu:init_process_group", "AROUND", "cpu",
-         "upstream builds Mooncake WORLD options with a CUDA tensor; CPU builds them on CPU"),
+         "upstream builds Mooncake WORLD options with a CUDA tensor; CPU builds them on CPU; "
+         "a scale joiner asks for the largest WORLD so far (Mooncake keeps it after a shrink)"),
     Hook("torch.distributed.distributed_c10d.new_group", "cpu.mooncake_cpu:new_group", "AROUND",
          "cpu", "GroupCoordinator hard-codes backend='mooncake' (CUDA) for device groups"),
     Hook(f"{S}layers.attention.torch_native_backend.TorchNativeAttnBackend.__init__",
