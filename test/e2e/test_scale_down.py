@@ -34,7 +34,8 @@ past Mooncake's heartbeat timeout and was evicted (docs/cpu-testbed.md). A joine
 beside three ranks takes about 6 minutes on two cores (one load client, 1 s between requests;
 the pause did not make it faster).
 
-Throughout: no request fails, and the fixed prompts decode to the same tokens.
+Throughout: no request fails, and the fixed prompts decode to the same tokens; the released
+ranks' servers exiting raises no ``rank_failed`` or ``recovery_required`` event.
 """
 
 from __future__ import annotations
@@ -247,7 +248,11 @@ def test_shrink_and_regrow_between_2_and_4_under_load(tiny_model: Path) -> None:
         changed = [r for r in results if r.output_ids != reference[r.prompt]]
         assert not changed, f"outputs changed: {changed[:3]}"
         assert greedy_reference(url) == reference
-        ops = operation_events(sse_events(url))
+        events = sse_events(url)
+        # Released ranks exiting (as an orchestrator deleting them would) is no fault.
+        faults = [e for e in events if e["type"] in ("rank_failed", "recovery_required")]
+        assert not faults, faults
+        ops = operation_events(events)
         for grown_id in ("grow-to-3", "grow-again", "grow-to-4", "regrow-to-3", "regrow-to-4"):
             assert ops[grown_id] == GROW, (grown_id, ops)
         for shrunk_id in ("shrink-to-2", "shrink-4-to-2", "shrink-to-3", "shrink-again-to-2"):
