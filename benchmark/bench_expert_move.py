@@ -17,14 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import load_counts, run_under_load, seconds_table, write_section  # noqa: E402
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep.cluster.load import longest_gap  # noqa: E402
-from sglang_elastic_ep.cluster.observe import wait_operation  # noqa: E402
+from sglang_elastic_ep.cluster.observe import post_scale, wait_operation  # noqa: E402
 from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
 
 PLACEMENTS = {
@@ -48,9 +46,7 @@ def shrink_once(row: list[int], steady_s: float) -> dict[str, float]:
             t_steady = time.monotonic()
             time.sleep(steady_s)
             t_post = time.monotonic()
-            httpx.post(url + "/scale_elastic_ep",
-                       json={"new_ep_size": 2, "operation_id": "bench-shrink"},
-                       timeout=60).raise_for_status()
+            post_scale(url, 2, "bench-shrink")
             operation = wait_operation(url, "bench-shrink", 300)
             t_committed = time.monotonic()
             if operation["result"] != "succeeded":

@@ -11,20 +11,17 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import load_counts, run_under_load, seconds_table, write_section  # noqa: E402
 
 from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep.cluster.load import longest_gap  # noqa: E402
-from sglang_elastic_ep.cluster.observe import sse_events, wait_operation  # noqa: E402
+from sglang_elastic_ep.cluster.observe import (  # noqa: E402
+    post_scale,
+    sse_events,
+    wait_operation,
+)
 from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
-
-
-def post_scale(url: str, size: int, operation_id: str) -> None:
-    httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": size, "operation_id": operation_id},
-               timeout=60).raise_for_status()
 
 
 def run(steady_s: float) -> dict[str, float]:

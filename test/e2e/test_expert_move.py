@@ -29,6 +29,7 @@ from sglang_elastic_ep.cluster.observe import (
     operation_events,
     sse_events,
     status,
+    wait_experts_reported,
     wait_operation,
 )
 from sglang_elastic_ep.core.placement import experts_per_rank, scale_down_map
@@ -36,19 +37,6 @@ from sglang_elastic_ep.core.placement import experts_per_rank, scale_down_map
 SLOTS = 8
 LAUNCH_ROW = [*range(8), 8, 9, 10, 11, 0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7]
 SHRINK_TIMEOUT_S = 300
-
-
-def reported_experts(url: str, ranks: int, timeout_s: float = 60) -> list[list[int]]:
-    """Logical experts per rank once the status reports them for exactly ``ranks`` ranks."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        current = status(url)
-        experts = [r["experts"] for r in current["ranks"]]
-        if current["effective_ep_size"] == ranks and all(e is not None for e in experts[:ranks]) \
-                and all(e is None for e in experts[ranks:]):
-            return experts[:ranks]
-        assert time.monotonic() < deadline, f"experts of {ranks} ranks not reported: {current}"
-        time.sleep(1.0)
 
 
 @pytest.mark.timeout(900)
@@ -65,7 +53,7 @@ def test_scale_down_moves_the_leaving_ranks_unique_experts_under_load(tiny_model
         url = cluster.url
         reference = greedy_reference(url)
         launch = experts_per_rank(LAUNCH_ROW, SLOTS)
-        assert reported_experts(url, 3) == [launch[r] for r in range(3)]
+        assert wait_experts_reported(url, 3) == [launch[r] for r in range(3)]
 
         with LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=0.2) as load:
             time.sleep(3.0)  # load before the shrink
@@ -81,7 +69,7 @@ def test_scale_down_moves_the_leaving_ranks_unique_experts_under_load(tiny_model
         after = status(url)
         assert after["effective_ep_size"] == 2, after
         assert after["safe_to_terminate_ranks"] == [2], after
-        assert reported_experts(url, 2) == [planned[0], planned[1]]
+        assert wait_experts_reported(url, 2) == [planned[0], planned[1]]
         failed = [r for r in results if not r.ok]
         assert results and not failed, f"{len(failed)} of {len(results)} failed: {failed[:3]}"
         changed = [r for r in results if r.output_ids != reference[r.prompt]]

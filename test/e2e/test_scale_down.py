@@ -4,8 +4,7 @@ cores). It covers #5's 4 -> 3, 4 -> 2, 3 -> 2 -> 3 and 4 -> 2 -> 4 with new join
 
 Upstream's trivial placement: ranks 0 and 1 hold experts 0..7 and 8..15 (8 slots each), a
 joiner's slots get copies. (With ``--init-expert-location`` putting each half twice on one
-rank, some outputs changed after the joiners came in: a joiner loads its weights from its own
-start-up map, which may not be the map rank 0 broadcasts. Not investigated yet.)
+rank, some outputs changed after the joiners came in; the cause is not known yet.)
 
 1. 2 -> 3 with the joiner launched before the POST.
 2. 3 -> 2 under load: a long request running on shard 2 finishes first (drain); a second scale
@@ -25,9 +24,8 @@ start-up map, which may not be the map rank 0 broadcasts. Not investigated yet.)
 8. 3 -> 1 is refused with 422 (attention DP needs two DP ranks; upstream asserts it every
    pass, and a shrink to one crashed every scheduler), then 3 -> 2 with nothing to move.
 
-Moving experts needs a tail that holds experts no staying rank has; joiners only get copies,
-and a launch rank can leave only to size 1, so here the move is covered by unit tests of the
-planner and stays to be shown end to end after an EPLB rebalance.
+Nothing moves here: joiners only hold copies, and ranks 0 and 1 hold every expert. The move of
+experts that only leaving ranks hold is test_expert_move.py.
 
 One joiner starts at a time: one admitted while the next was starting beside it went quiet
 past Mooncake's heartbeat timeout and was evicted (docs/cpu-testbed.md). A joiner starting
@@ -57,6 +55,7 @@ from sglang_elastic_ep.cluster.observe import (
     batches_run_by,
     operation_events,
     sse_events,
+    wait_experts_reported,
     wait_operation,
 )
 from sglang_elastic_ep.cluster.observe import status as read_status
@@ -85,20 +84,6 @@ def succeeded(url: str, operation_id: str, size: int, timeout_s: float = SCALE_T
     status = read_status(url)
     assert status["effective_ep_size"] == size, status
     return status
-
-
-def wait_experts_reported(url: str, ranks: int, timeout_s: float = 60) -> list[list[int]]:
-    """The logical experts of ranks ``0..ranks-1`` once the status reports them for exactly
-    that many ranks (the health poll refreshes the placement every 2 s)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = read_status(url)
-        experts = [r["experts"] for r in status["ranks"]]
-        if all(e is not None for e in experts[:ranks]) and \
-                all(e is None for e in experts[ranks:]) and status["effective_ep_size"] == ranks:
-            return experts[:ranks]
-        assert time.monotonic() < deadline, f"experts of {ranks} ranks not reported: {status}"
-        time.sleep(1.0)
 
 
 def states(url: str) -> list[str]:

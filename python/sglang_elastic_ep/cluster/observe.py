@@ -43,6 +43,27 @@ def wait_operation(url: str, operation_id: str, timeout_s: float) -> dict:
         time.sleep(0.5)
 
 
+def post_scale(url: str, size: int, operation_id: str) -> None:
+    """``POST /scale_elastic_ep`` to ``size`` under ``operation_id``; raises on a refusal."""
+    httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": size, "operation_id": operation_id},
+               timeout=60).raise_for_status()
+
+
+def wait_experts_reported(url: str, ranks: int, timeout_s: float = 60) -> list[list[int]]:
+    """The logical experts of ranks ``0..ranks-1`` once the status reports them for exactly
+    that many ranks (the health poll refreshes the placement every 2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = status(url)
+        experts = [r["experts"] for r in current["ranks"]]
+        if current["effective_ep_size"] == ranks and all(e is not None for e in experts[:ranks]) \
+                and all(e is None for e in experts[ranks:]):
+            return experts[:ranks]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"experts of {ranks} ranks not reported in {timeout_s} s: {current}")
+        time.sleep(1.0)
+
+
 def sse_events(url: str) -> list[dict]:
     """Every buffered event, read over ``GET /elastic_ep/events`` (SSE, not followed)."""
     resp = httpx.get(url + "/elastic_ep/events", params={"follow": "false"}, timeout=30)

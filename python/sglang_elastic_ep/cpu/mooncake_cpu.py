@@ -116,13 +116,13 @@ def read_world_high_water(store: Any) -> int | None:
 
 def raise_world_high_water(store: Any, size: int) -> None:
     """Set the key to ``max(key, size)`` atomically (several joiners may register together)."""
+    desired = str(size).encode()
     while True:
-        current = store.get(WORLD_HIGH_WATER_KEY) if store.check([WORLD_HIGH_WATER_KEY]) else b""
-        if current and int(current.decode()) >= size:
+        current = read_world_high_water(store)
+        if current is not None and current >= size:
             return
-        if store.compare_set(WORLD_HIGH_WATER_KEY, current, str(size).encode()) == str(
-            size
-        ).encode():
+        expected = b"" if current is None else str(current).encode()
+        if store.compare_set(WORLD_HIGH_WATER_KEY, expected, desired) == desired:
             return
 
 
