@@ -1,4 +1,5 @@
-"""Write one benchmark's section of docs/benchmarks.md (between its own markers)."""
+"""Write one benchmark's section of docs/benchmarks.md (between its own markers), and the CLI
+and table layout the under-load scenarios share."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import argparse
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 HEADER = (
     "# Benchmarks\n\nEach section is written by the script named in it, with the exact command.\n"
 )
+
+Row = tuple[str, str, str]  # label, figure key, format spec of the value
 
 
 def command_line() -> str:
@@ -43,14 +46,39 @@ def run_under_load(doc: str, run: Callable[[float], dict[str, float]]) -> dict[s
     return result
 
 
-def load_counts(results: list) -> dict[str, float]:
-    """How many requests the load client finished, and how many of them failed."""
-    return {"requests": float(len(results)), "failed": float(sum(not r.ok for r in results))}
-
-
-def seconds_table(title: str, setup: str) -> list[str]:
-    """Section title, the command that ran, the set-up, and a ``measure | seconds`` header."""
+def section_head(title: str, setup: str) -> list[str]:
+    """Section title, the command that ran (the core count matters: load and cluster share
+    them), the set-up, a blank line."""
     return [
         f"## {title}", "", f"Command: `{command_line()}` on {os.cpu_count()} cores.", setup, "",
-        "| measure | seconds |", "|---|---:|",
     ]
+
+
+def requests_text(figures: Mapping[str, float], run: str = "") -> str:
+    """``N requests, M failed`` of the load (of run ``run`` when figures are keyed per run)."""
+    prefix = f"{run}:" if run else ""
+    return f"{int(figures[prefix + 'requests'])} requests, {int(figures[prefix + 'failed'])} failed"
+
+
+def write_table(
+    name: str,
+    title: str,
+    setup: str,
+    figures: Mapping[str, float],
+    rows: Sequence[Row],
+    note: str,
+    runs: Sequence[str] = (),
+) -> None:
+    """Write section ``name``: its head, a ``measure | seconds`` table of ``rows``, then
+    ``note``. With ``runs``, one column per run instead, its figures keyed ``run:key``."""
+    columns = list(runs) or ["seconds"]
+    lines = [
+        *section_head(title, setup),
+        f"| measure | {' | '.join(columns)} |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for label, key, fmt in rows:
+        keys = [f"{run}:{key}" for run in runs] or [key]
+        lines.append(f"| {label} | {' | '.join(format(figures[k], fmt) for k in keys)} |")
+    lines += ["", note]
+    write_section(name, "\n".join(lines))

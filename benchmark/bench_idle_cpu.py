@@ -18,13 +18,13 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import command_line, write_section  # noqa: E402
+from _report import section_head, write_section  # noqa: E402
+from _scenario import tiny_spec  # noqa: E402
 
-from sglang_elastic_ep.cluster import ClusterSpec, LocalCluster  # noqa: E402
-from sglang_elastic_ep.cluster.load import generate  # noqa: E402
-from sglang_elastic_ep.cluster.procs import process_tree  # noqa: E402
-from sglang_elastic_ep.cpu.idle import ENV_IDLE_POLL_MS, ENV_PARK_SPINNERS  # noqa: E402
-from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
+from sglang_elastic_ep_testbed.cluster import LocalCluster  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.load import generate  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.procs import process_tree  # noqa: E402
+from sglang_elastic_ep_testbed.cpu.idle import ENV_IDLE_POLL_MS, ENV_PARK_SPINNERS  # noqa: E402
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -49,7 +49,7 @@ SETTINGS = (  # label, SGLANG_EEP_IDLE_POLL_MS, SGLANG_EEP_IDLE_PARK_SPINNERS, M
 def measure(poll_ms: str, park: str, a2a: str, idle_s: float, ranks: int) -> dict[str, float]:
     os.environ[ENV_IDLE_POLL_MS] = poll_ms
     os.environ[ENV_PARK_SPINNERS] = park
-    spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=ranks, moe_a2a_backend=a2a)
+    spec = tiny_spec(ranks, a2a=a2a, max_ep_size=None)
     with LocalCluster(spec) as cluster, httpx.Client() as client:
         assert cluster.primary is not None
         for _ in range(3):  # warm every shard
@@ -85,13 +85,12 @@ def main() -> None:
         rows[label] = measure(poll, park, a2a, args.idle_seconds, args.ranks)
         print(label, rows[label], flush=True)
     lines = [
-        f"## Idle CPU of a {args.ranks}-rank CPU cluster (issue: CPU EP data plane, item 6)",
-        "",
-        f"Command: `{command_line()}` on {os.cpu_count()} cores.",
-        "CPU = all processes of the server (schedulers, DP controller, detokenizer, HTTP) over "
-        f"{args.idle_seconds:.0f} s idle, in cores. Latency = one-token `/generate` (median of 4 "
-        "after 2 s idle, or 8 back to back).",
-        "",
+        *section_head(
+            f"Idle CPU of a {args.ranks}-rank CPU cluster (issue: CPU EP data plane, item 6)",
+            "CPU = all processes of the server (schedulers, DP controller, detokenizer, HTTP) "
+            f"over {args.idle_seconds:.0f} s idle, in cores. Latency = one-token `/generate` "
+            "(median of 4 after 2 s idle, or 8 back to back).",
+        ),
         "Every setting includes the DP controller fix (it blocks in zmq poll) and "
         "`--enable-dp-attention-local-control-broadcast`. Mooncake PG's worker thread spins one "
         "core per process (`while (running_) { PAUSE(); ... }`); parked while a rank is idle, "

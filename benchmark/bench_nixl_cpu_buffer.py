@@ -52,7 +52,7 @@ def _key(*parts: object) -> str:
 def worker(args: argparse.Namespace) -> int:
     from torch.distributed import TCPStore
 
-    from sglang_elastic_ep.backends.nixl_cpu import Buffer
+    from sglang_elastic_ep_testbed.nixl_cpu import Buffer
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=120))

@@ -8,87 +8,64 @@ whose server then exits by itself. Writes docs/benchmarks.md section ``scale_dow
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import load_counts, run_under_load, seconds_table, write_section  # noqa: E402
+from _report import requests_text, run_under_load, write_table  # noqa: E402
+from _scenario import grow_by_joiner, tiny_spec, under_load  # noqa: E402
 
-from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
-from sglang_elastic_ep.cluster.load import longest_gap  # noqa: E402
-from sglang_elastic_ep.cluster.observe import (  # noqa: E402
-    post_scale,
-    sse_events,
-    wait_operation,
-)
-from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
+from sglang_elastic_ep_testbed.cluster import LocalCluster  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.observe import sse_events  # noqa: E402
+
+# The shrink's windows, shared with bench_expert_move: steady (3 ranks), POST -> committed, after.
+SHRINK_GAPS = {"gap_steady_s": ("steady", "post"), "gap_shrink_s": ("post", "committed"),
+               "gap_after_s": ("committed", "end")}
+SHRINK_GAP_ROWS = [
+    ("longest gap between completed requests, steady state (3 ranks)", "gap_steady_s", ".2f"),
+    ("longest gap, POST -> committed", "gap_shrink_s", ".2f"),
+    ("longest gap, after the commit (2 ranks)", "gap_after_s", ".2f"),
+]
 
 
 def run(steady_s: float) -> dict[str, float]:
-    spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=2, max_ep_size=4,
-                       moe_a2a_backend="nixl")
-    with LocalCluster(spec) as cluster:
-        url = cluster.url
-        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
-        try:
-            joiner = cluster.start_joiner("scale", rank_offset=2)
-            post_scale(url, 3, "bench-grow")
-            if wait_operation(url, "bench-grow", 420)["result"] != "succeeded":
-                raise RuntimeError("scale-up 2 -> 3 failed")
-            time.sleep(steady_s)  # the joiner's first passes (NIXL handshakes) settle first
-            t_steady = time.monotonic()
-            time.sleep(steady_s)
-            t_post = time.monotonic()
-            post_scale(url, 2, "bench-shrink")
-            operation = wait_operation(url, "bench-shrink", 420)
-            t_committed = time.monotonic()
-            if operation["result"] != "succeeded":
-                raise RuntimeError(f"scale-down failed: {operation}")
-            if joiner.wait_exit(120) != 0:
-                raise RuntimeError("the leaving rank's server did not exit with code 0")
-            t_exit = time.monotonic()
-            time.sleep(steady_s)
-            t_end = time.monotonic()
-            events = sse_events(url)
-        finally:
-            results = load.stop()
-    safe = [e for e in events
-            if e.get("operation_id") == "bench-shrink" and e["type"] == "safe_to_terminate"]
-    if not safe:
+    with LocalCluster(tiny_spec()) as cluster, under_load(cluster) as run:
+        joiner = grow_by_joiner(cluster, "bench-grow")
+        run.hold(steady_s, then="steady")  # the joiner's first passes (NIXL handshakes) settle
+        run.hold(steady_s)
+        run.scale(2, "bench-shrink", 420)
+        if joiner.wait_exit(120) != 0:
+            raise RuntimeError("the leaving rank's server did not exit with code 0")
+        run.mark("exit")
+        run.hold(steady_s, then="end")
+        events = sse_events(run.url)
+    if not any(e.get("operation_id") == "bench-shrink" and e["type"] == "safe_to_terminate"
+               for e in events):
         raise RuntimeError("no safe_to_terminate event")
-    return {
-        "post_to_safe_s": t_committed - t_post,
-        "safe_to_exit_s": t_exit - t_committed,
-        "gap_steady_s": longest_gap(results, t_steady, t_post),
-        "gap_shrink_s": longest_gap(results, t_post, t_committed),
-        "gap_after_s": longest_gap(results, t_committed, t_end),
-        **load_counts(results),
-    }
+    return run.figures(
+        spans={"post_to_safe_s": ("post", "committed"), "safe_to_exit_s": ("committed", "exit")},
+        gaps=SHRINK_GAPS,
+    )
 
 
 def main() -> None:
     r = run_under_load(__doc__, run)
-    lines = [
-        *seconds_table(
-            "Runtime scale-down 3 -> 2 under load (issue: scale-down, item 9)",
-            "A 2-rank primary grown to 3 by a joiner (`--moe-a2a-backend nixl`), 2 concurrent "
-            "clients sending 8-token greedy requests back to back; after the scale-up has "
-            "settled (`--steady-seconds`), the steady window, then `new_ep_size: 2`.",
-        ),
-        f"| POST -> `safe_to_terminate` for rank 2 (operation committed) | "
-        f"{r['post_to_safe_s']:.1f} |",
-        f"| `safe_to_terminate` -> the leaving rank's server exited (code 0) | "
-        f"{r['safe_to_exit_s']:.1f} |",
-        f"| longest gap between completed requests, steady state (3 ranks) | "
-        f"{r['gap_steady_s']:.2f} |",
-        f"| longest gap, POST -> committed | {r['gap_shrink_s']:.2f} |",
-        f"| longest gap, after the commit (2 ranks) | {r['gap_after_s']:.2f} |",
-        "",
-        f"{int(r['requests'])} requests, {int(r['failed'])} failed. The shrink waits for shard "
-        "2's running requests to finish (drain), then all ranks switch the expert map and "
-        "release rank 2 on one agreed pass.",
-    ]
-    write_section("scale_down", "\n".join(lines))
+    write_table(
+        "scale_down",
+        "Runtime scale-down 3 -> 2 under load (issue: scale-down, item 9)",
+        "A 2-rank primary grown to 3 by a joiner (`--moe-a2a-backend nixl`), 2 concurrent "
+        "clients sending 8-token greedy requests back to back; after the scale-up has "
+        "settled (`--steady-seconds`), the steady window, then `new_ep_size: 2`.",
+        r,
+        [
+            ("POST -> `safe_to_terminate` for rank 2 (operation committed)", "post_to_safe_s",
+             ".1f"),
+            ("`safe_to_terminate` -> the leaving rank's server exited (code 0)", "safe_to_exit_s",
+             ".1f"),
+            *SHRINK_GAP_ROWS,
+        ],
+        f"{requests_text(r)}. The shrink waits for shard 2's running requests to finish (drain), "
+        "then all ranks switch the expert map and release rank 2 on one agreed pass.",
+    )
 
 
 if __name__ == "__main__":

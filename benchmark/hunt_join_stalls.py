@@ -11,79 +11,67 @@ idle pass"): parking on, 4 of 4 ok.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _scenario import REPLICATED, Timeline, grow_by_joiner, tiny_spec, under_load  # noqa: E402
 
-from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.observe import wait_operation, wait_rank_state
-from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model
+from sglang_elastic_ep_testbed.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.observe import wait_rank_state  # noqa: E402
+
+
+def fault_reported(run: Timeline, rank: int, dumps: Path, tag: str) -> bool:
+    """Whether the status marks the killed ``rank`` failed in time; stacks dumped if not."""
+    try:
+        wait_rank_state(run.url, rank, "failed", 60)
+    except TimeoutError:
+        run.cluster.dump_stacks(f"{tag}: fault never reported", out=dumps)
+        return False
+    return True
+
+
+def progress_or_dump(run: Timeline, dumps: Path, tag: str, seconds: float) -> bool:
+    """Whether a request completes within ``seconds``; stacks dumped (``tag``) if none does."""
+    served = run.completed()
+    run.hold(seconds)
+    if run.completed() > served:
+        return True
+    run.cluster.dump_stacks(tag, out=dumps)
+    return False
 
 
 def one_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
-    with LocalCluster(spec) as cluster:
-        url = cluster.url
-        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
-        try:
-            time.sleep(3.0)
-            cluster.kill_node(1)
-            try:
-                wait_rank_state(url, 1, "failed", 60)
-            except TimeoutError:
-                cluster.dump_stacks(f"{tag}: fault never reported", out=dumps)
-                return "stalled at the fault"
-            time.sleep(3.0)
-            cluster.start_node(1, recover=True)
-            wait_rank_state(url, 1, "active", 300)
-            served = len(load.snapshot())
-            time.sleep(15.0)
-            if len(load.snapshot()) == served:
-                cluster.dump_stacks(f"{tag}: stalled after recovery", out=dumps)
-                return "stalled after recovery"
-            return "ok"
-        finally:
-            load.stop()
-
-
-def progress_or_dump(cluster: LocalCluster, load: LoadClient, dumps: Path, tag: str,
-                     seconds: float) -> bool:
-    served = len(load.snapshot())
-    time.sleep(seconds)
-    if len(load.snapshot()) > served:
-        return True
-    cluster.dump_stacks(tag, out=dumps)
-    return False
+    with LocalCluster(spec) as cluster, under_load(cluster) as run:
+        run.hold(3.0)
+        cluster.kill_node(1)
+        if not fault_reported(run, 1, dumps, tag):
+            return "stalled at the fault"
+        run.hold(3.0)
+        cluster.start_node(1, recover=True)
+        wait_rank_state(run.url, 1, "active", 300)
+        if not progress_or_dump(run, dumps, f"{tag}: stalled after recovery", 15.0):
+            return "stalled after recovery"
+        return "ok"
 
 
 def one_joiner_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
     """2 -> 3 by a joiner, kill it under load, relaunch it with --ep-join-mode recover."""
     with LocalCluster(spec) as cluster:
-        url = cluster.url
-        joiner = cluster.start_joiner("scale", rank_offset=2)
-        httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3, "operation_id": "g"},
-                   timeout=60).raise_for_status()
-        wait_operation(url, "g", 420)
-        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
-        try:
-            tag_up = f"{tag}: stalled after the scale-up"
-            if not progress_or_dump(cluster, load, dumps, tag_up, 60.0):
+        joiner = grow_by_joiner(cluster, "g")
+        with under_load(cluster) as run:
+            if not progress_or_dump(run, dumps, f"{tag}: stalled after the scale-up", 60.0):
                 return "stalled after the scale-up"
             cluster.kill_server(joiner)
-            try:
-                wait_rank_state(url, 2, "failed", 60)
-            except TimeoutError:
-                cluster.dump_stacks(f"{tag}: fault never reported", out=dumps)
+            if not fault_reported(run, 2, dumps, tag):
                 return "stalled at the fault"
-            if not progress_or_dump(cluster, load, dumps, f"{tag}: stalled after the fault", 15.0):
+            if not progress_or_dump(run, dumps, f"{tag}: stalled after the fault", 15.0):
                 return "stalled after the fault"
             cluster.start_joiner("recover", rank_offset=2)
-            wait_rank_state(url, 2, "active", 420)
-            if not progress_or_dump(cluster, load, dumps, f"{tag}: stalled after recovery", 60.0):
+            wait_rank_state(run.url, 2, "active", 420)
+            if not progress_or_dump(run, dumps, f"{tag}: stalled after recovery", 60.0):
                 return "stalled after recovery"
             return "ok"
-        finally:
-            load.stop()
 
 
 def main() -> None:
@@ -94,9 +82,7 @@ def main() -> None:
                         help="node: kill and recover launch node 1; joiner: a scale-joined rank")
     args = parser.parse_args()
     joiner = args.scenario == "joiner"
-    spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=2, max_ep_size=4,
-                       moe_a2a_backend="nixl", nodes=1 if joiner else 2,
-                       extra_args=["--ep-num-redundant-experts", "16"])
+    spec = tiny_spec(nodes=1 if joiner else 2, extra_args=REPLICATED)
     iteration = one_joiner_iteration if joiner else one_iteration
     for i in range(args.iterations):
         print(f"iteration {i}: {iteration(spec, args.dumps, f'iteration {i}')}", flush=True)

@@ -5,5 +5,5 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
 export SGLANG_USE_CPU_ENGINE=1
-.venv/bin/python -m sglang_elastic_ep.cpu.tiny_model >/dev/null
-exec .venv/bin/python -m sglang_elastic_ep.cluster.demo "$@"
+.venv/bin/python -m sglang_elastic_ep_testbed.tiny_model >/dev/null
+exec .venv/bin/python -m sglang_elastic_ep_testbed.cluster.demo "$@"

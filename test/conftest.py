@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model
+    from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model
 
     return write_tiny_model(DEFAULT_DIR)
 

@@ -14,8 +14,6 @@ logger = logging.getLogger("sglang_elastic_ep")
 
 SUPPORTED_SGLANG_VERSION = "0.5.23"
 
-_loaded = False
-
 
 def installed_sglang_version() -> str | None:
     try:
@@ -24,9 +22,9 @@ def installed_sglang_version() -> str | None:
         return None
 
 
-def load() -> bool:
-    """Register every hook of this plugin; returns whether hooks were installed."""
-    global _loaded
+def supported_sglang_installed() -> bool:
+    """Whether the installed SGLang is the one release these hooks were written against; logs
+    one error line when it is not."""
     found = installed_sglang_version()
     if found != SUPPORTED_SGLANG_VERSION:
         logger.error(
@@ -36,15 +34,23 @@ def load() -> bool:
             found,
         )
         return False
-    if _loaded:
-        return True
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    return True
 
+
+class _Registration:
+    """Hooks are registered once per process, however often SGLang calls the entry point."""
+
+    done = False
+
+
+def load() -> bool:
+    """Register every hook of this plugin; returns whether hooks were installed."""
+    if not supported_sglang_installed():
+        return False
+    if _Registration.done:
+        return True
     from sglang_elastic_ep import hooks
 
-    for hook in hooks.active_hooks():
-        HookRegistry.register(hook.target, hook.resolve(), HookType[hook.kind])
-    for shim in hooks.active_import_shims():
-        shim.install()
-    _loaded = True
+    hooks.register(hooks.HOOKS)
+    _Registration.done = True
     return True

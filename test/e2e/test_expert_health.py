@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.load import greedy_reference
-from sglang_elastic_ep.cluster.observe import sse_events
-from sglang_elastic_ep.cluster.observe import status as read_status
-from sglang_elastic_ep.cpu.expert_timing import ENV_TEST_SLOW_EXPERTS
+from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep_testbed.cluster.load import greedy_reference
+from sglang_elastic_ep_testbed.cluster.observe import sse_events
+from sglang_elastic_ep_testbed.cluster.observe import status as read_status
+from sglang_elastic_ep.sglang.expert_timing import ENV_TEST_SLOW_EXPERTS
 
 BLOCKED_S = 120
 WINDOW_S = 8.0  # the first one ends long before the 25th slow check

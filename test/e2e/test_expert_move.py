@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.load import greedy_reference
-from sglang_elastic_ep.cluster.observe import (
+from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep_testbed.cluster.load import greedy_reference
+from sglang_elastic_ep_testbed.cluster.observe import (
     operation_events,
     sse_events,
     status,

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sglang_elastic_ep.cluster import ClusterSpec, LocalCluster
-from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate
+from sglang_elastic_ep_testbed.cluster import ClusterSpec, LocalCluster
+from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
 
 MAX_NEW_TOKENS = 16
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
-from sglang_elastic_ep.cluster.observe import (
+from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
+from sglang_elastic_ep_testbed.cluster.observe import (
     WebhookReceiver,
     metric,
     sse_events,

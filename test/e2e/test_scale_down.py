@@ -48,17 +48,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.launcher import ServerProcess
-from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
-from sglang_elastic_ep.cluster.observe import (
+from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
+from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
+from sglang_elastic_ep_testbed.cluster.observe import (
     batches_run_by,
     operation_events,
     sse_events,
     wait_experts_reported,
     wait_operation,
 )
-from sglang_elastic_ep.cluster.observe import status as read_status
+from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 
 SCALE_TIMEOUT_S = 420
 CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]

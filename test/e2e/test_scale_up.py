@@ -22,15 +22,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sglang_elastic_ep.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep.cluster.launcher import ServerProcess
-from sglang_elastic_ep.cluster.load import (
+from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
+from sglang_elastic_ep_testbed.cluster.load import (
     DEFAULT_PROMPTS,
     RequestResult,
     generate,
     greedy_reference,
 )
-from sglang_elastic_ep.cluster.observe import (
+from sglang_elastic_ep_testbed.cluster.observe import (
     WebhookReceiver,
     batches_run_by,
     metric,
@@ -39,7 +39,7 @@ from sglang_elastic_ep.cluster.observe import (
     wait_operation,
     wait_rank_state,
 )
-from sglang_elastic_ep.cluster.observe import status as read_status
+from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep.sglang.scale_progress import ENV_TEST_SKEW
 
 SCALE_TIMEOUT_S = 420

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("sglang")
 
-from sglang_elastic_ep.cpu.moe import moe_forward_native  # noqa: E402
+from sglang_elastic_ep_testbed.cpu.moe import moe_forward_native  # noqa: E402
 
 
 def _layer(num_experts: int, hidden: int, inter: int) -> SimpleNamespace:

@@ -32,14 +32,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import nixl_cpu_workers as W  # noqa: E402
 
-from sglang_elastic_ep.backends.nixl_cpu import fp8 as fp8_mod  # noqa: E402
-from sglang_elastic_ep.backends.nixl_cpu.layout import (  # noqa: E402
+from sglang_elastic_ep_testbed.nixl_cpu import fp8 as fp8_mod  # noqa: E402
+from sglang_elastic_ep_testbed.nixl_cpu.layout import (  # noqa: E402
     RegionLayout,
     max_rows_per_message,
     message_bytes,
     rdma_size_hint,
 )
-from sglang_elastic_ep.backends.nixl_cpu.moe_runner import (  # noqa: E402
+from sglang_elastic_ep_testbed.nixl_cpu.moe_runner import (  # noqa: E402
     dense_moe_reference,
     run_packed_experts,
 )
@@ -329,7 +329,7 @@ def test_joiner_dying_in_its_first_handshake_does_not_hang_the_others(cluster_fa
 
 @pytest.fixture
 def solo_buffer():
-    from sglang_elastic_ep.backends.nixl_cpu import Buffer
+    from sglang_elastic_ep_testbed.nixl_cpu import Buffer
 
     buf = Buffer(rank=0, timeout_ms=500)
     buf.update_memory_buffers(
@@ -437,7 +437,7 @@ def _sglang_calls() -> tuple[set[str], set[str]]:
 
 
 def test_interface_covers_sglang_and_nixl_ep() -> None:
-    from sglang_elastic_ep.backends.nixl_cpu import Buffer, load_nixl_ep
+    from sglang_elastic_ep_testbed.nixl_cpu import Buffer, load_nixl_ep
 
     if not (SITE / "sglang").exists():
         pytest.skip("sglang not installed")
@@ -476,13 +476,13 @@ MOE_NATIVE_CHECK = r"""
 import sys, torch
 from types import SimpleNamespace
 torch.set_num_threads(1)
-from sglang_elastic_ep import hooks
+from sglang_elastic_ep_testbed import hooks
 for shim in hooks.IMPORT_SHIMS:
     shim.install()
 from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
 from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 from sglang.srt.layers.moe.topk import StandardTopKOutput
-from sglang_elastic_ep.backends.nixl_cpu.moe_runner import run_packed_experts, dense_moe_reference
+from sglang_elastic_ep_testbed.nixl_cpu.moe_runner import run_packed_experts, dense_moe_reference
 g = torch.Generator().manual_seed(0)
 E, H, I, N, K = 4, 64, 32, 24, 2
 w13 = torch.randn(E, 2 * I, H, generator=g) * 0.2
@@ -534,10 +534,10 @@ def test_fp8_round_trip_accuracy() -> None:
 def test_the_progress_thread_sleeps_instead_of_spinning() -> None:
     """NIXL's Python API hard-codes a busy progress thread; ours waits on UCX's descriptors."""
     code = (
-        "from sglang_elastic_ep.backends.nixl_cpu._env import configure_ucx_env\n"
+        "from sglang_elastic_ep_testbed.nixl_cpu._env import configure_ucx_env\n"
         "configure_ucx_env()\n"
-        "from sglang_elastic_ep.backends.nixl_cpu.buffer import make_nixl_agent\n"
-        "from sglang_elastic_ep.cpu.idle import find_spinning_native_threads\n"
+        "from sglang_elastic_ep_testbed.nixl_cpu.buffer import make_nixl_agent\n"
+        "from sglang_elastic_ep_testbed.cpu.idle import find_spinning_native_threads\n"
         "import os\n"
         "before = set(os.listdir('/proc/self/task'))\n"
         "agent = make_nixl_agent('spin-check', progress_thread=True)\n"

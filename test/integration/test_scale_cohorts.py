@@ -8,7 +8,7 @@ pytest.importorskip("sglang")
 
 import torch.distributed as dist  # noqa: E402
 
-from sglang_elastic_ep.cluster.procs import free_port  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.procs import free_port  # noqa: E402
 
 
 def test_forgetting_deletes_only_the_freed_slots_cohorts(monkeypatch: pytest.MonkeyPatch

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from sglang_elastic_ep.cluster.procs import free_port_run, port_is_free
+from sglang_elastic_ep_testbed.cluster.procs import free_port_run, port_is_free
 
 
 def test_a_port_run_is_free_and_avoids_the_taken_ports() -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import uuid
 
-from sglang_elastic_ep.cluster.procs import kill_tree, processes_tagged, wait_gone
+from sglang_elastic_ep_testbed.cluster.procs import kill_tree, processes_tagged, wait_gone
 
 TAG = "SGLANG_EEP_TEST_TAG"
 

@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from sglang_elastic_ep.cpu import sgl_kernel_ops, torchvision_shim
-from sglang_elastic_ep.cpu.collectives import reduce_scatterv
+from sglang_elastic_ep_testbed.cpu import sgl_kernel_ops, torchvision_shim
+from sglang_elastic_ep_testbed.cpu.collectives import reduce_scatterv
 
 
 def test_assign_req_to_token_pool_matches_reference() -> None:
@@ -75,7 +75,7 @@ def test_reduce_scatterv_cpu_fallback_returns_this_ranks_slice() -> None:
 
 
 def test_torch_compat_adds_cpu_empty_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_elastic_ep.cpu import torch_compat
+    from sglang_elastic_ep_testbed.cpu import torch_compat
 
     if hasattr(torch.cpu, "empty_cache"):
         monkeypatch.delattr(torch.cpu, "empty_cache")

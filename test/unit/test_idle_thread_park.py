@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_elastic_ep.cpu.idle import (
+from sglang_elastic_ep_testbed.cpu.idle import (
     ThreadParker,
     find_spinning_native_threads,
     thread_cpu_ns,
@@ -109,7 +109,7 @@ def test_a_gone_thread_is_dropped_from_the_park_list() -> None:
 
 
 def test_idle_settings_reject_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_elastic_ep.cpu import idle
+    from sglang_elastic_ep_testbed.cpu import idle
 
     monkeypatch.setenv(idle.ENV_IDLE_POLL_MS, "-1")
     with pytest.raises(ValueError, match="SGLANG_EEP_IDLE_POLL_MS"):

@@ -1,4 +1,4 @@
-"""The plugin entry point: registration, version refusal, and the hook table's shape."""
+"""The plugin entry points: registration, version refusal, and the hook tables' shape."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ def test_registered_under_sglang_plugin_group() -> None:
 def test_refuses_other_sglang_version_and_installs_nothing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    registered: list[str] = []
+    registered: list[object] = []
     monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.22")
-    monkeypatch.setattr(plugin, "_loaded", False)
-    monkeypatch.setattr(hooks, "active_hooks", lambda: registered.append("hooks") or [])
+    monkeypatch.setattr(plugin._Registration, "done", False)
+    monkeypatch.setattr(hooks, "register", registered.append)
     with caplog.at_level(logging.ERROR, logger="sglang_elastic_ep"):
         assert plugin.load() is False
     assert registered == []
@@ -32,8 +32,17 @@ def test_refuses_other_sglang_version_and_installs_nothing(
 
 def test_refuses_when_sglang_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plugin, "installed_sglang_version", lambda: None)
-    monkeypatch.setattr(plugin, "_loaded", False)
+    monkeypatch.setattr(plugin._Registration, "done", False)
     assert plugin.load() is False
+
+
+def test_registers_the_whole_table_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    registered: list[object] = []
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(plugin._Registration, "done", False)
+    monkeypatch.setattr(hooks, "register", registered.append)
+    assert plugin.load() is True and plugin.load() is True
+    assert registered == [hooks.HOOKS]
 
 
 def test_every_hook_has_a_reason_and_known_kind() -> None:
@@ -41,18 +50,5 @@ def test_every_hook_has_a_reason_and_known_kind() -> None:
     assert len(targets) == len(set(targets)), "one entry per target keeps the table readable"
     for hook in hooks.HOOKS:
         assert hook.kind in {"BEFORE", "AFTER", "AROUND", "REPLACE"}
-        assert hook.scope in {"all", "cpu"}
+        assert hook.package == "sglang_elastic_ep"
         assert len(hook.why) > 20, f"{hook.target}: say why"
-    for shim in hooks.IMPORT_SHIMS:
-        assert len(shim.why) > 20
-
-
-def test_cpu_hooks_only_with_cpu_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
-    off = hooks.active_hooks()
-    assert all(h.scope == "all" for h in off)
-    assert hooks.active_import_shims() == []
-    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
-    on = hooks.active_hooks()
-    assert {h.scope for h in on} == {"all", "cpu"}
-    assert len(on) > len(off)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_elastic_ep.cluster.procs import dump_stacks, kill_tree, py_spy
+from sglang_elastic_ep_testbed.cluster.procs import dump_stacks, kill_tree, py_spy
 
 SLEEPER = """
 import time

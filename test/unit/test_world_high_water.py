@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from sglang_elastic_ep.cluster.procs import free_port
-from sglang_elastic_ep.cpu.mooncake_cpu import (
+from sglang_elastic_ep_testbed.cluster.procs import free_port
+from sglang_elastic_ep_testbed.cpu.mooncake_cpu import (
     joiner_world_size,
     raise_world_high_water,
     read_world_high_water,

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 import httpx
@@ -29,6 +30,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_CONFLICT = 3
 
+CLI_PLUGIN_GROUP = "sglang_elastic_ep.cli"
 API_KEY_ENV = "SGLANG_EEP_API_KEY"
 URL_ENV = "SGLANG_EEP_URL"
 _STATE_STYLE = {
@@ -440,6 +442,15 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument(
         "--read-timeout", type=float, default=60.0, help="reconnect after this long silent"
     )
+    # Other installed distributions (the CPU testbed) add subcommands without this package
+    # importing them: each entry point adds its parser and sets ``handler`` on it.
+    for entry in entry_points(group=CLI_PLUGIN_GROUP):
+        try:
+            add_subcommand = entry.load()
+        except ImportError as exc:  # a half-removed plugin must not take the CLI down
+            print(f"sglang-eep: subcommand {entry.name!r} unavailable: {exc}", file=sys.stderr)
+            continue
+        add_subcommand(sub)
     return parser
 
 
@@ -451,8 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     console = Console(soft_wrap=False)
     commands = {"scale": cmd_scale, "status": cmd_status, "events": cmd_events}
+    handler = getattr(args, "handler", None) or commands[args.command]
     try:
-        return commands[args.command](args, console)
+        return handler(args, console)
     except CliError as exc:
         Console(stderr=True).print(f"[bold red]error[/]: {exc}", highlight=False)
         return exc.code

@@ -10,6 +10,11 @@ import argparse
 import os
 from typing import Any
 
+# Spawned SGLang children inherit the environment: the Mooncake timeout flags travel to the
+# process-group setup this way (read where WORLD's options are built).
+ENV_COLLECTIVE_TIMEOUT = "SGLANG_EEP_COLLECTIVE_TIMEOUT_S"
+ENV_FAULT_WINDOW = "SGLANG_EEP_FAULT_WINDOW_S"
+
 # flag -> (dest on ServerArgs, default, type, help)
 EXTRA_FLAGS: dict[str, tuple[str, Any, type, str]] = {
     "--ep-join-mode": (
@@ -84,8 +89,6 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
     for dest, default, _typ, _help in EXTRA_FLAGS.values():
         setattr(server_args, dest, getattr(args, dest, default))
     # Spawned SGLang children inherit the environment, so process-wide settings travel there.
-    from sglang_elastic_ep.cpu.mooncake_cpu import ENV_COLLECTIVE_TIMEOUT, ENV_FAULT_WINDOW
-
     for env, value in (
         (ENV_COLLECTIVE_TIMEOUT, server_args.elastic_ep_collective_timeout),
         (ENV_FAULT_WINDOW, server_args.elastic_ep_fault_window),

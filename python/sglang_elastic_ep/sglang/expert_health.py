@@ -47,7 +47,7 @@ def local_contribution(rank: int, max_ep_size: int) -> list[int]:
     ns = [0] * total
     rows = [0] * total
     if local:
-        from sglang_elastic_ep.cpu.expert_timing import expert_timer
+        from sglang_elastic_ep.sglang.expert_timing import expert_timer
 
         mine_ns, mine_rows = expert_timer().snapshot(local)
         ns[rank * local:(rank + 1) * local] = mine_ns

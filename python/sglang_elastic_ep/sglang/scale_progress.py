@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
-from sglang_elastic_ep.cpu.idle import parked_during_idle
 from sglang_elastic_ep.sglang import expert_health, tail_recovery
 from sglang_elastic_ep.sglang.scale_down import finalize_scale_down, is_shrink, ready_to_shrink
 
@@ -35,13 +34,6 @@ def _elastic_state() -> Any:
     from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
 
     return ElasticEPStateManager
-
-
-def idle_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``Scheduler.on_idle``: on the CPU engine, Mooncake's spinning worker stays
-    parked through the idle housekeeping and sleep (cpu/idle.py). No collective runs here."""
-    with parked_during_idle(scheduler):
-        return original(scheduler, *args, **kwargs)
 
 
 def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

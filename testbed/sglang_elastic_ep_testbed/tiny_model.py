@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-DEFAULT_DIR = Path(__file__).resolve().parents[3] / ".models" / "tiny-qwen3-moe"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / ".models" / "tiny-qwen3-moe"
 
 _WORDS = (
     "the a an expert rank shard token router layer cluster server request scale up down "

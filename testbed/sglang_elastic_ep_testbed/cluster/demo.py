@@ -13,10 +13,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from sglang_elastic_ep.cluster.launcher import ClusterSpec, LocalCluster
-from sglang_elastic_ep.cluster.load import DEFAULT_PROMPTS, LoadClient, RequestResult
-from sglang_elastic_ep.cluster.observe import sse_events, status, wait_operation
-from sglang_elastic_ep.cpu.tiny_model import DEFAULT_DIR, write_tiny_model
+from sglang_elastic_ep_testbed.cluster.launcher import ClusterSpec, LocalCluster
+from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, LoadClient, RequestResult
+from sglang_elastic_ep_testbed.cluster.observe import sse_events, status, wait_operation
+from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model
 
 console = Console()
 OPERATION_ID = "demo-grow"

@@ -15,10 +15,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from sglang_elastic_ep.sglang.args import ENV_COLLECTIVE_TIMEOUT, ENV_FAULT_WINDOW
+
 logger = logging.getLogger(__name__)
 
-ENV_COLLECTIVE_TIMEOUT = "SGLANG_EEP_COLLECTIVE_TIMEOUT_S"
-ENV_FAULT_WINDOW = "SGLANG_EEP_FAULT_WINDOW_S"
 
 # init_distributed_environment's arguments that init_process_group needs but is not given.
 _world_options: dict[str, Any] = {}

@@ -43,7 +43,7 @@ def run() -> None:
     if _done or os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
         return
     _done = True
-    from sglang_elastic_ep.cpu import sgl_kernel_ops, torch_compat, torchvision_shim
+    from sglang_elastic_ep_testbed.cpu import sgl_kernel_ops, torch_compat, torchvision_shim
 
     torchvision_shim.install()
     sgl_kernel_ops.install()

@@ -20,14 +20,14 @@ from pathlib import Path
 import httpx
 import psutil
 
-from sglang_elastic_ep.cluster.procs import (
+from sglang_elastic_ep_testbed.cluster.procs import (
     dump_stacks,
     free_port_run,
     kill_tree,
     process_tree,
     processes_tagged,
 )
-from sglang_elastic_ep.cpu.shared_host import ENV_SHARED_HOST_NODE
+from sglang_elastic_ep_testbed.cpu.shared_host import ENV_SHARED_HOST_NODE
 
 # Environment variable holding a cluster's own tag (see LocalCluster._kill_stragglers).
 CLUSTER_TAG_ENV = "SGLANG_EEP_CLUSTER_TAG"
@@ -187,8 +187,18 @@ class ServerProcess:
 
     def scheduler_pids(self) -> dict[int, int]:
         """EP rank -> pid of its scheduler process (read from the process titles SGLang sets)."""
+        return self.scheduler_pids_of(self.pid)
+
+    def detach(self) -> None:
+        """Let the server outlive this Python process (the hand-driven testbed's ``join``:
+        the long-running ``up`` or ``down`` kills it by pid later)."""
+        _LIVE.discard(self)
+
+    @staticmethod
+    def scheduler_pids_of(pid: int) -> dict[int, int]:
+        """EP rank -> scheduler pid among the processes of the server whose leader is ``pid``."""
         ranks: dict[int, int] = {}
-        for proc in process_tree(self.pid):
+        for proc in process_tree(pid):
             try:
                 title = " ".join(proc.cmdline())
             except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -229,6 +239,26 @@ class LocalCluster:
         self.followers: dict[int, ServerProcess] = {}  # node rank -> server (nodes > 1)
         self.joiners: list[ServerProcess] = []
         self._new_identity()
+
+    @classmethod
+    def attach(cls, spec: ClusterSpec, dist_port: int, env: dict[str, str],
+               taken_ports: set[int]) -> LocalCluster:
+        """A launcher for a cluster another process started (same ports and tag), to add
+        joiners and replacement nodes to it."""
+        cluster = cls.__new__(cls)
+        cluster.spec = spec
+        cluster.primary = None
+        cluster.followers = {}
+        cluster.joiners = []
+        cluster.dist_port = dist_port
+        cluster.env = dict(env)
+        cluster._taken = set(taken_ports)
+        return cluster
+
+    @property
+    def taken_ports(self) -> frozenset[int]:
+        """Every port this cluster uses or has set aside."""
+        return frozenset(self._taken)
 
     def _new_identity(self) -> None:
         """Ports and tag for a (re)start."""

@@ -3,7 +3,7 @@
 Upstream's ``NixlEPDispatcher`` imports ``nixl_ep.Buffer`` (GPU only) and keeps its mask buffer
 on ``"cuda"``; its MoE runners for the packed low-latency layout are GPU kernels. With these
 hooks the same dispatcher, scale-up path and mask-based fault detection run on CPU over
-:class:`sglang_elastic_ep.backends.nixl_cpu.buffer.Buffer` (real NIXL transfers of host memory).
+:class:`sglang_elastic_ep_testbed.nixl_cpu.buffer.Buffer` (real NIXL transfers of host memory).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 def load_nixl_ep() -> tuple[type, torch.dtype]:
     """REPLACE ``token_dispatcher.nixl._load_nixl_ep``: the CPU buffer, int64 top-k ids."""
-    from sglang_elastic_ep.backends.nixl_cpu.buffer import Buffer
+    from sglang_elastic_ep_testbed.nixl_cpu.buffer import Buffer
 
     return Buffer, torch.int64
 
@@ -48,8 +48,8 @@ def run_moe_core(original: Callable, layer: Any, dispatch_output: Any) -> Any:
         return original(layer, dispatch_output)
     from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput
 
-    from sglang_elastic_ep.backends.nixl_cpu.moe_runner import run_deepep_ll
-    from sglang_elastic_ep.cpu.expert_timing import expert_timer
+    from sglang_elastic_ep.sglang.expert_timing import expert_timer
+    from sglang_elastic_ep_testbed.nixl_cpu.moe_runner import run_deepep_ll
 
     out = run_deepep_ll(
         dispatch_output,

@@ -212,6 +212,13 @@ def parked_during_idle(scheduler: Any) -> Iterator[None]:
         parker.unpark()
 
 
+def idle_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.on_idle``: Mooncake's spinning worker stays parked through the idle
+    housekeeping and sleep. No collective runs here."""
+    with parked_during_idle(scheduler):
+        return original(scheduler, *args, **kwargs)
+
+
 def make_thread_parker() -> ThreadParker | None:
     if not park_spinners_enabled():
         return None

@@ -1,0 +1,91 @@
+"""Every hook the CPU testbed installs into SGLang 0.5.23, each with one line on why.
+
+Installed by the testbed's own plugin (``elastic_ep_testbed``) and only with the CPU engine
+(``SGLANG_USE_CPU_ENGINE=1``). They make real SGLang server processes, Mooncake process groups
+and a NIXL EP buffer run on a machine without a GPU; the product's hooks
+(``sglang_elastic_ep.hooks``) are the same on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from sglang_elastic_ep.hooks import Hook, HookKind, S
+
+PACKAGE = "sglang_elastic_ep_testbed"
+
+
+def _cpu_hook(target: str, impl: str, kind: HookKind, why: str) -> Hook:
+    return Hook(target, impl, kind, why, package=PACKAGE)
+
+
+@dataclass(frozen=True)
+class ImportShim:
+    """A module provided under another name when the real one cannot load on CPU."""
+
+    name: str
+    impl: str
+    why: str
+
+    def install(self) -> None:
+        module, _, name = self.impl.partition(":")
+        getattr(importlib.import_module(f"{PACKAGE}.{module}"), name)()
+
+
+HOOKS: tuple[Hook, ...] = (
+    _cpu_hook(f"{S}distributed.bootstrap._resolve_backend", "cpu.mooncake_cpu:resolve_backend",
+              "AFTER", "upstream picks the mooncake backend only on CUDA; CPU: mooncake-cpu"),
+    _cpu_hook(f"{S}distributed.parallel_state.init_distributed_environment",
+              "cpu.mooncake_cpu:init_distributed_environment", "AROUND",
+              "remembers max_world_size/recovered_rank so WORLD on mooncake-cpu gets elastic "
+              "options"),
+    _cpu_hook("torch.distributed.distributed_c10d.init_process_group",
+              "cpu.mooncake_cpu:init_process_group", "AROUND",
+              "upstream builds Mooncake WORLD options with a CUDA tensor; CPU builds them on CPU; "
+              "a scale joiner asks for the largest WORLD so far (Mooncake keeps it after a "
+              "shrink)"),
+    _cpu_hook("torch.distributed.distributed_c10d.new_group", "cpu.mooncake_cpu:new_group",
+              "AROUND", "GroupCoordinator hard-codes backend='mooncake' (CUDA) for device groups"),
+    _cpu_hook(f"{S}layers.attention.torch_native_backend.TorchNativeAttnBackend.__init__",
+              "cpu.attention:add_cpu_graph_fill_value", "AFTER",
+              "DP-attention padding on CPU calls get_cpu_graph_seq_len_fill_value (AMX-only "
+              "upstream)"),
+    _cpu_hook(f"{S}distributed.parallel_state.GroupCoordinator.reduce_scatterv",
+              "cpu.collectives:reduce_scatterv", "AROUND",
+              "upstream reduce_scatterv needs pynccl; on CPU all-reduce and keep this rank's "
+              "slice"),
+    _cpu_hook(f"{S}managers.scheduler.Scheduler.init_idle_sleeper",
+              "cpu.idle:install_idle_sleeper", "AFTER",
+              "idle ranks poll 5 ms, not 1 s, and park Mooncake's spinning worker meanwhile"),
+    _cpu_hook(f"{S}managers.scheduler.Scheduler.on_idle", "cpu.idle:idle_pass", "AROUND",
+              "Mooncake's spinning worker stays parked during idle housekeeping and the poll"),
+    _cpu_hook(f"{S}server_args.wait_port_available", "cpu.shared_host:wait_port_available",
+              "AROUND",
+              "a node relaunched on node 0's host (CPU cluster) must not wait for node 0's ports"),
+    _cpu_hook(f"{S}managers.data_parallel_controller.DataParallelController.event_loop",
+              "cpu.idle:dp_controller_event_loop", "REPLACE",
+              "upstream's DP controller busy-polls its socket; block in zmq poll until a request"),
+    _cpu_hook(f"{S}layers.moe.token_dispatcher.nixl._load_nixl_ep", "cpu.nixl_ep:load_nixl_ep",
+              "REPLACE",
+              "nixl_ep needs a GPU; the CPU buffer moves host memory over real NIXL"),
+    _cpu_hook(f"{S}layers.moe.token_dispatcher.nixl._NixlEPDispatcherImplBase.__init__",
+              "cpu.nixl_ep:dispatcher_impl_init", "AROUND",
+              "upstream allocates the NIXL mask buffer on 'cuda'; allocate it on CPU"),
+    _cpu_hook(f"{S}layers.moe.ep_moe.layer.DeepEPMoE.run_moe_core", "cpu.nixl_ep:run_moe_core",
+              "AROUND", "experts compute on the packed low-latency layout NIXL EP delivers"),
+    _cpu_hook(f"{S}layers.moe.fused_moe_native.moe_forward_native", "cpu.moe:moe_forward_native",
+              "REPLACE",
+              "EP on CPU: non-local experts arrive as id -1 and must contribute nothing; 0 tokens "
+              "ok"),
+)
+
+IMPORT_SHIMS: tuple[ImportShim, ...] = (
+    ImportShim("sgl_kernel", "cpu.sgl_kernel_ops:install",
+               "the CPU sgl_kernel build is not on PyPI: torch versions of the ops SGLang calls"),
+    ImportShim("torchvision", "cpu.torchvision_shim:install",
+               "PyPI torchvision is a CUDA build that cannot import beside CPU torch; SGLang "
+               "imports it at module level for image models we never serve on CPU"),
+    ImportShim("torch.cpu.empty_cache", "cpu.torch_compat:install",
+               "EPLB calls torch.<device>.empty_cache, which CPU torch lacks"),
+)
