@@ -20,8 +20,8 @@ from sglang_elastic_ep_testbed.cluster.observe import post_scale, wait_operation
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model
 
-# The first completions come a while after the load starts (connections, first passes); a
-# steady window that opens with the load starts this much later so that wait is no "gap".
+# The first completions come a while after the load starts; a steady window that opens with the
+# load starts this much later, so that wait does not count as a gap in serving.
 WARM_UP_S = 2.0
 
 Window = tuple[str, str]  # from moment, to moment
@@ -46,15 +46,14 @@ def tiny_spec(
 
 class Timeline:
     """One run under load: named moments (``time.monotonic``), and the load's results once it
-    stopped. Starts with ``load`` (the load started) and ``warm`` (``WARM_UP_S`` later)."""
+    stopped. Starts with ``warm``: ``WARM_UP_S`` after the load started."""
 
     def __init__(self, cluster: LocalCluster, load: LoadClient) -> None:
         self.cluster = cluster
         self.url = cluster.url
         self.load = load
         self.results: list[RequestResult] = []
-        now = time.monotonic()
-        self.marks: dict[str, float] = {"load": now, "warm": now + WARM_UP_S}
+        self.marks: dict[str, float] = {"warm": time.monotonic() + WARM_UP_S}
 
     def mark(self, name: str) -> float:
         self.marks[name] = time.monotonic()

@@ -35,15 +35,15 @@ def shrink_once(row: list[int], steady_s: float) -> dict[str, float]:
     spec = tiny_spec(3, extra_args=["--ep-num-redundant-experts", "8",
                                     "--init-expert-location", placement])
     with LocalCluster(spec) as cluster:
-        with under_load(cluster) as run:
-            run.hold(steady_s, then="steady")
-            run.hold(steady_s)
-            run.scale(2, "bench-shrink", 300)
-            run.hold(steady_s, then="end")
+        with under_load(cluster) as timeline:
+            timeline.hold(steady_s, then="steady")
+            timeline.hold(steady_s)
+            timeline.scale(2, "bench-shrink", 300)
+            timeline.hold(steady_s, then="end")
         assert cluster.primary is not None
         moves = MOVE_LINE.findall(cluster.primary.log_path.read_text(errors="replace"))
     return {
-        **run.figures(spans={"post_to_safe_s": ("post", "committed")}, gaps=SHRINK_GAPS),
+        **timeline.figures(spans={"post_to_safe_s": ("post", "committed")}, gaps=SHRINK_GAPS),
         "moved_slots": float(moves[0][0]) if moves else 0.0,
         "move_s": max((float(s) for _, s in moves), default=0.0),
     }

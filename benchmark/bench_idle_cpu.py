@@ -58,13 +58,13 @@ def measure(poll_ms: str, park: str, a2a: str, idle_s: float, ranks: int) -> dic
         c0, t0 = tree_cpu_seconds(cluster.primary.pid), time.monotonic()
         time.sleep(idle_s)
         cpu = (tree_cpu_seconds(cluster.primary.pid) - c0) / (time.monotonic() - t0)
-        first = []
+        first: list[float] = []
         for _ in range(4):
             time.sleep(2.0)  # idle again, then the first request
             r = generate(client, cluster.url, "the expert rank", 1)
             assert r.ok, r.error
             first.append(r.finished - r.started)
-        busy = []
+        busy: list[float] = []
         for _ in range(8):
             r = generate(client, cluster.url, "the expert rank", 1)
             busy.append(r.finished - r.started)
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
-    rows = {}
+    rows: dict[str, dict[str, float]] = {}
     for label, poll, park, a2a in SETTINGS:
         rows[label] = measure(poll, park, a2a, args.idle_seconds, args.ranks)
         print(label, rows[label], flush=True)

@@ -21,28 +21,28 @@ from sglang_elastic_ep_testbed.cluster import LocalCluster, ServerProcess  # noq
 from sglang_elastic_ep_testbed.cluster.observe import wait_rank_state  # noqa: E402
 
 
-def crash_and_recover(run: Timeline, rank: int, kill: Callable[[], object],
+def crash_and_recover(timeline: Timeline, rank: int, kill: Callable[[], object],
                       relaunch: Callable[[], ServerProcess], steady_s: float,
                       active_timeout_s: float) -> None:
     """Under load: ``steady_s``, ``kill`` the server of ``rank``, ``steady_s`` degraded,
     ``relaunch`` it in recover mode, ``steady_s`` once it is back. Marks ``kill``, ``failed``,
     ``launch``, ``loaded``, ``active``, ``end``; the status is polled often since the moments
     are measured."""
-    run.hold(steady_s, then="kill")
+    timeline.hold(steady_s, then="kill")
     kill()
-    wait_rank_state(run.url, rank, "failed", 120, poll_s=0.2)
-    run.mark("failed")
-    run.hold(steady_s, then="launch")
+    wait_rank_state(timeline.url, rank, "failed", 120, poll_s=0.2)
+    timeline.mark("failed")
+    timeline.hold(steady_s, then="launch")
     weights_loaded(relaunch(), 300)
-    run.mark("loaded")
-    wait_rank_state(run.url, rank, "active", active_timeout_s, poll_s=0.2)
-    run.mark("active")
-    run.hold(steady_s, then="end")
+    timeline.mark("loaded")
+    wait_rank_state(timeline.url, rank, "active", active_timeout_s, poll_s=0.2)
+    timeline.mark("active")
+    timeline.hold(steady_s, then="end")
 
 
-def recovery_figures(run: Timeline, steady_from: str) -> dict[str, float]:
+def recovery_figures(timeline: Timeline, steady_from: str) -> dict[str, float]:
     """What :func:`crash_and_recover` measured; the steady window runs ``steady_from`` -> kill."""
-    return run.figures(
+    return timeline.figures(
         spans={"detect_s": ("kill", "failed"), "launch_to_loaded_s": ("launch", "loaded"),
                "loaded_to_full_s": ("loaded", "active"), "launch_to_full_s": ("launch", "active")},
         gaps={"gap_steady_s": (steady_from, "kill"), "gap_fault_s": ("kill", "launch"),
@@ -51,6 +51,7 @@ def recovery_figures(run: Timeline, steady_from: str) -> dict[str, float]:
 
 
 def recovery_rows(rank: int, steady: str, degraded: str) -> list[Row]:
+    """The table of :func:`recovery_figures`; the labels name the rank and both windows."""
     return [
         (f"kill -> rank {rank} `failed` in status (fault detection)", "detect_s", ".1f"),
         ("relaunch -> replacement loaded its weights", "launch_to_loaded_s", ".1f"),
@@ -64,13 +65,13 @@ def recovery_rows(rank: int, steady: str, degraded: str) -> list[Row]:
 
 def run(steady_s: float) -> dict[str, float]:
     with LocalCluster(tiny_spec(nodes=2, extra_args=REPLICATED)) as cluster, \
-            under_load(cluster) as run:
-        crash_and_recover(run, 1, lambda: cluster.kill_node(1),
+            under_load(cluster) as timeline:
+        crash_and_recover(timeline, 1, lambda: cluster.kill_node(1),
                           lambda: cluster.start_node(1, recover=True), steady_s, 300)
-    steady = [r.finished - r.started for r in run.results
-              if r.ok and r.finished < run.marks["kill"]]
+    steady = [r.finished - r.started for r in timeline.results
+              if r.ok and r.finished < timeline.marks["kill"]]
     return {
-        **recovery_figures(run, "warm"),
+        **recovery_figures(timeline, "warm"),
         "latency_p50_s": statistics.median(steady) if steady else float("nan"),
     }
 

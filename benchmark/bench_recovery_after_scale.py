@@ -14,11 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import requests_text, run_under_load, write_table  # noqa: E402
 from _scenario import REPLICATED, grow_by_joiner, tiny_spec, under_load  # noqa: E402
-from bench_recovery import (  # noqa: E402
-    crash_and_recover,
-    recovery_figures,
-    recovery_rows,
-)
+from bench_recovery import crash_and_recover, recovery_figures, recovery_rows  # noqa: E402
 
 from sglang_elastic_ep_testbed.cluster import LocalCluster  # noqa: E402
 
@@ -28,12 +24,12 @@ SETTLE_S = 45.0  # three ranks on two cores are slow for a while after a commit
 def run(steady_s: float) -> dict[str, float]:
     with LocalCluster(tiny_spec(extra_args=REPLICATED)) as cluster:
         joiner = grow_by_joiner(cluster, "grow")
-        with under_load(cluster) as run:
-            run.hold(SETTLE_S, then="steady")
-            crash_and_recover(run, 2, lambda: cluster.kill_server(joiner),
+        with under_load(cluster) as timeline:
+            timeline.hold(SETTLE_S, then="steady")
+            crash_and_recover(timeline, 2, lambda: cluster.kill_server(joiner),
                               lambda: cluster.start_joiner("recover", rank_offset=2), steady_s,
                               420)
-    return recovery_figures(run, "steady")
+    return recovery_figures(timeline, "steady")
 
 
 def main() -> None:

@@ -28,20 +28,20 @@ SHRINK_GAP_ROWS = [
 
 
 def run(steady_s: float) -> dict[str, float]:
-    with LocalCluster(tiny_spec()) as cluster, under_load(cluster) as run:
+    with LocalCluster(tiny_spec()) as cluster, under_load(cluster) as timeline:
         joiner = grow_by_joiner(cluster, "bench-grow")
-        run.hold(steady_s, then="steady")  # the joiner's first passes (NIXL handshakes) settle
-        run.hold(steady_s)
-        run.scale(2, "bench-shrink", 420)
+        timeline.hold(steady_s, then="steady")  # the joiner's first passes (NIXL handshakes) settle
+        timeline.hold(steady_s)
+        timeline.scale(2, "bench-shrink", 420)
         if joiner.wait_exit(120) != 0:
             raise RuntimeError("the leaving rank's server did not exit with code 0")
-        run.mark("exit")
-        run.hold(steady_s, then="end")
-        events = sse_events(run.url)
+        timeline.mark("exit")
+        timeline.hold(steady_s, then="end")
+        events = sse_events(timeline.url)
     if not any(e.get("operation_id") == "bench-shrink" and e["type"] == "safe_to_terminate"
                for e in events):
         raise RuntimeError("no safe_to_terminate event")
-    return run.figures(
+    return timeline.figures(
         spans={"post_to_safe_s": ("post", "committed"), "safe_to_exit_s": ("committed", "exit")},
         gaps=SHRINK_GAPS,
     )

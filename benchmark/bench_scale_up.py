@@ -20,17 +20,17 @@ from sglang_elastic_ep_testbed.cluster.observe import post_scale  # noqa: E402
 
 
 def run(steady_s: float) -> dict[str, float]:
-    with LocalCluster(tiny_spec()) as cluster, under_load(cluster) as run:
-        run.hold(steady_s, then="launch")
+    with LocalCluster(tiny_spec()) as cluster, under_load(cluster) as timeline:
+        timeline.hold(steady_s, then="launch")
         joiner = cluster.start_joiner("scale", rank_offset=2)
-        run.mark("post")
-        post_scale(run.url, 3, "bench-grow")
+        timeline.mark("post")
+        post_scale(timeline.url, 3, "bench-grow")
         weights_loaded(joiner, 300)
-        run.mark("ready")
-        operation_succeeded(run.url, "bench-grow", 420)
-        run.mark("committed")
-        run.hold(steady_s, then="end")
-    return run.figures(
+        timeline.mark("ready")
+        operation_succeeded(timeline.url, "bench-grow", 420)
+        timeline.mark("committed")
+        timeline.hold(steady_s, then="end")
+    return timeline.figures(
         spans={"launch_to_ready_s": ("launch", "ready"),
                "ready_to_committed_s": ("ready", "committed"),
                "post_to_committed_s": ("post", "committed")},

@@ -21,36 +21,36 @@ from sglang_elastic_ep_testbed.cluster import ClusterSpec, LocalCluster  # noqa:
 from sglang_elastic_ep_testbed.cluster.observe import wait_rank_state  # noqa: E402
 
 
-def fault_reported(run: Timeline, rank: int, dumps: Path, tag: str) -> bool:
+def fault_reported(timeline: Timeline, rank: int, dumps: Path, tag: str) -> bool:
     """Whether the status marks the killed ``rank`` failed in time; stacks dumped if not."""
     try:
-        wait_rank_state(run.url, rank, "failed", 60)
+        wait_rank_state(timeline.url, rank, "failed", 60)
     except TimeoutError:
-        run.cluster.dump_stacks(f"{tag}: fault never reported", out=dumps)
+        timeline.cluster.dump_stacks(f"{tag}: fault never reported", out=dumps)
         return False
     return True
 
 
-def progress_or_dump(run: Timeline, dumps: Path, tag: str, seconds: float) -> bool:
+def progress_or_dump(timeline: Timeline, dumps: Path, tag: str, seconds: float) -> bool:
     """Whether a request completes within ``seconds``; stacks dumped (``tag``) if none does."""
-    served = run.completed()
-    run.hold(seconds)
-    if run.completed() > served:
+    served = timeline.completed()
+    timeline.hold(seconds)
+    if timeline.completed() > served:
         return True
-    run.cluster.dump_stacks(tag, out=dumps)
+    timeline.cluster.dump_stacks(tag, out=dumps)
     return False
 
 
 def one_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
-    with LocalCluster(spec) as cluster, under_load(cluster) as run:
-        run.hold(3.0)
+    with LocalCluster(spec) as cluster, under_load(cluster) as timeline:
+        timeline.hold(3.0)
         cluster.kill_node(1)
-        if not fault_reported(run, 1, dumps, tag):
+        if not fault_reported(timeline, 1, dumps, tag):
             return "stalled at the fault"
-        run.hold(3.0)
+        timeline.hold(3.0)
         cluster.start_node(1, recover=True)
-        wait_rank_state(run.url, 1, "active", 300)
-        if not progress_or_dump(run, dumps, f"{tag}: stalled after recovery", 15.0):
+        wait_rank_state(timeline.url, 1, "active", 300)
+        if not progress_or_dump(timeline, dumps, f"{tag}: stalled after recovery", 15.0):
             return "stalled after recovery"
         return "ok"
 
@@ -59,17 +59,17 @@ def one_joiner_iteration(spec: ClusterSpec, dumps: Path, tag: str) -> str:
     """2 -> 3 by a joiner, kill it under load, relaunch it with --ep-join-mode recover."""
     with LocalCluster(spec) as cluster:
         joiner = grow_by_joiner(cluster, "g")
-        with under_load(cluster) as run:
-            if not progress_or_dump(run, dumps, f"{tag}: stalled after the scale-up", 60.0):
+        with under_load(cluster) as timeline:
+            if not progress_or_dump(timeline, dumps, f"{tag}: stalled after the scale-up", 60.0):
                 return "stalled after the scale-up"
             cluster.kill_server(joiner)
-            if not fault_reported(run, 2, dumps, tag):
+            if not fault_reported(timeline, 2, dumps, tag):
                 return "stalled at the fault"
-            if not progress_or_dump(run, dumps, f"{tag}: stalled after the fault", 15.0):
+            if not progress_or_dump(timeline, dumps, f"{tag}: stalled after the fault", 15.0):
                 return "stalled after the fault"
             cluster.start_joiner("recover", rank_offset=2)
-            wait_rank_state(run.url, 2, "active", 420)
-            if not progress_or_dump(run, dumps, f"{tag}: stalled after recovery", 60.0):
+            wait_rank_state(timeline.url, 2, "active", 420)
+            if not progress_or_dump(timeline, dumps, f"{tag}: stalled after recovery", 60.0):
                 return "stalled after recovery"
             return "ok"
 

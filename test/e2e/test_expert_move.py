@@ -17,26 +17,27 @@ instead of exiting; the status lists it as safe to terminate.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from sglang_elastic_ep.core.placement import experts_per_rank, scale_down_map
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import greedy_reference
 from sglang_elastic_ep_testbed.cluster.observe import (
     operation_events,
     sse_events,
     status,
+    wait_each_shard_serves,
     wait_experts_reported,
     wait_operation,
 )
-from sglang_elastic_ep.core.placement import experts_per_rank, scale_down_map
 
 SLOTS = 8
 LAUNCH_ROW = [*range(8), 8, 9, 10, 11, 0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7]
 SHRINK_TIMEOUT_S = 300
+SERVES_S = 180  # for every shard to serve the load (two busy cores)
 
 
 @pytest.mark.timeout(900)
@@ -56,14 +57,14 @@ def test_scale_down_moves_the_leaving_ranks_unique_experts_under_load(tiny_model
         assert wait_experts_reported(url, 3) == [launch[r] for r in range(3)]
 
         with LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=0.2) as load:
-            time.sleep(3.0)  # load before the shrink
+            wait_each_shard_serves(load, [0, 1, 2], SERVES_S)  # load before the shrink
             shrink = httpx.post(url + "/scale_elastic_ep",
                                 json={"new_ep_size": 2, "operation_id": "shrink-with-move"},
                                 timeout=60)
             assert shrink.status_code == 200, shrink.text
             operation = wait_operation(url, "shrink-with-move", SHRINK_TIMEOUT_S)
             assert operation["result"] == "succeeded", operation
-            time.sleep(3.0)  # load after the shrink
+            wait_each_shard_serves(load, [0, 1], SERVES_S)  # load after the shrink
         results = load.snapshot()
 
         after = status(url)

@@ -30,11 +30,13 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     WebhookReceiver,
     metric,
     sse_events,
+    wait_each_shard_serves,
     wait_rank_state,
 )
 
 FAULT_SEEN_S = 90
 RECOVERED_S = 420
+SERVES_S = 180  # for a shard to serve the load after a change (two busy cores)
 
 def event_types(events: list[dict], ranks: list[int]) -> list[str]:
     return [e["type"] for e in events if e.get("ranks") == ranks]
@@ -56,7 +58,10 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             reference = greedy_reference(url)
             load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
             try:
-                time.sleep(3.0)
+                # Under load on both shards when node 1 dies (node 1's responses may carry no
+                # dp_rank: its log shows its batches).
+                wait_each_shard_serves(load, [0, 1], SERVES_S,
+                                       logs={1: cluster.followers[1].log_path})
                 killed_at = time.monotonic()
                 cluster.kill_node(1)
                 degraded = wait_rank_state(url, 1, "failed", FAULT_SEEN_S)
@@ -66,9 +71,7 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
                 health = httpx.get(url + "/elastic_ep/health", timeout=30).json()
                 assert health["ranks"][1]["alive"] is False, health
                 assert health["ranks"][1]["hard_blocked"] is True, health
-                served_degraded = len(load.snapshot())
-                time.sleep(5.0)
-                assert len(load.snapshot()) > served_degraded, "the survivor must keep serving"
+                wait_each_shard_serves(load, [0], SERVES_S)  # the survivor keeps serving
 
                 cli = subprocess.run(
                     [sys.executable, "-m", "sglang_elastic_ep.cli.main", "status", "--url", url],
@@ -80,7 +83,9 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
                 recovered = wait_rank_state(url, 1, "active", RECOVERED_S)
                 assert recovered["phase"] == "serving_recovered", recovered
                 assert recovered["effective_ep_size"] == 2
-                time.sleep(5.0)  # a few requests on the recovered shard under load
+                # Requests on both shards under load again, the recovered one's included.
+                wait_each_shard_serves(load, [0, 1], SERVES_S,
+                                       logs={1: cluster.followers[1].log_path})
             finally:
                 results = load.stop()
 
@@ -91,7 +96,6 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             assert len(lost) <= 2, f"more requests lost than were in flight: {lost}"
             changed = [r for r in results if r.ok and r.output_ids != reference[r.prompt]]
             assert not changed, f"outputs changed: {changed[:3]}"
-            assert len(results) > 20
 
             with httpx.Client() as client:
                 after = {p: generate(client, url, p, 8) for p in DEFAULT_PROMPTS}

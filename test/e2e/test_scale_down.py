@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,10 +55,12 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     batches_run_by,
     operation_events,
     sse_events,
+    wait_each_shard_serves,
     wait_experts_reported,
     wait_operation,
 )
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 SCALE_TIMEOUT_S = 420
 CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
@@ -70,6 +72,7 @@ JOIN_BESIDE_THREE_TIMEOUT_S = 600
 LOAD_PAUSE_S = 1.0
 LONG_TOKENS = 24  # four ranks on two cores decode about a token a second under load
 DRAIN_TIMEOUT_S = 180
+SERVES_S = 180  # for every shard to serve the load after a change (two busy cores)
 
 
 def scale(url: str, size: int, operation_id: str, field: str = "new_ep_size") -> httpx.Response:
@@ -90,25 +93,42 @@ def states(url: str) -> list[str]:
     return [r["state"] for r in read_status(url)["ranks"]]
 
 
+def long_streamed_request(url: str, shard: int, first_token: threading.Event) -> list[dict]:
+    """A long greedy request pinned to ``shard``, streamed: ``first_token`` is set once it
+    runs there. Every chunk it sent (the last one has the totals)."""
+    body = {"text": "a long answer", "routed_dp_rank": shard, "stream": True,
+            "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 0,
+                                "ignore_eos": True}}
+    chunks: list[dict] = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                chunks.append(json.loads(line[5:]))
+                first_token.set()
+    return chunks
+
+
 def shrink_with_a_long_request_on(url: str, shard: int, size: int, operation_id: str) -> None:
     """POST the shrink while a long request runs on ``shard`` (a leaving one): the drain waits
     for it, and a second scale request meanwhile gets 409."""
+    running = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        long_request = pool.submit(
-            httpx.post, url + "/generate", timeout=300,
-            json={"text": "a long answer", "routed_dp_rank": shard,
-                  "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 0,
-                                      "ignore_eos": True}},
-        )
-        time.sleep(1.0)
+        long_request = pool.submit(long_streamed_request, url, shard, running)
+        # Its first token streamed: it runs on the shard, so the drain must wait for it.
+        wait_until(lambda: running.is_set() or long_request.done(), SERVES_S,
+                   f"the long request running on shard {shard}", poll_s=0.1)
+        assert running.is_set(), long_request.result()
         shrink = scale(url, size, operation_id)
         assert shrink.status_code == 200, shrink.text
         assert shrink.json()["phase"] == "draining", shrink.text
         conflict = scale(url, size + 1, "too-early")
         assert conflict.status_code == 409, conflict.text
-        drained = long_request.result()
-    assert drained.status_code == 200, drained.text
-    assert drained.json()["meta_info"]["completion_tokens"] == LONG_TOKENS, drained.text
+        chunks = long_request.result()
+    last = chunks[-1]
+    assert "error" not in last, last
+    assert last["meta_info"]["completion_tokens"] == LONG_TOKENS, last
+    assert last["meta_info"]["finish_reason"]["type"] == "length", last
 
 
 def assert_new_shards_serve(url: str, joiners: dict[int, ServerProcess]) -> None:
@@ -153,18 +173,26 @@ def test_shrink_and_regrow_between_2_and_4_under_load(tiny_model: Path) -> None:
             left_and_exited(rank2)
             assert wait_experts_reported(url, ranks=2) == placed[:2]
 
-            # 3. 2 -> 3 into the freed slot: the CLI's POST first, then the joiner.
+            # 3. 2 -> 3 into the freed slot: the CLI's POST first, then the joiner. The
+            # follower resumes after the last event so far: it sees exactly this operation's
+            # events however late it connects.
+            last_event_id = max((e["event_id"] for e in sse_events(url)), default=0)
             follower = subprocess.Popen(
-                [*CLI, "events", "--url", url, "--follow", "--json", "--max-events", "3"],
+                [*CLI, "events", "--url", url, "--follow", "--json", "--max-events", "3",
+                 "--last-event-id", str(last_event_id)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
-            time.sleep(3.0)  # the follower is connected and past the backlog
             grow = subprocess.Popen(
                 [*CLI, "scale", "--url", url, "--to", "3", "--wait", "--operation-id",
                  "grow-again", "--timeout", str(SCALE_TIMEOUT_S), "--http-timeout", "60"],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
-            time.sleep(3.0)  # the POST is in
+
+            def posted() -> bool:
+                assert grow.poll() is None, grow.communicate()[0]
+                return "grow-again" in operation_events(sse_events(url))
+
+            wait_until(posted, 120, "the CLI's POST of grow-again", poll_s=0.5)
             again2 = cluster.start_joiner("scale", rank_offset=2)
             grown, _ = grow.communicate(timeout=SCALE_TIMEOUT_S + 60)
             assert grow.returncode == 0, grown
@@ -222,7 +250,7 @@ def test_shrink_and_regrow_between_2_and_4_under_load(tiny_model: Path) -> None:
             succeeded(url, "shrink-again-to-2", 2)
             assert wait_experts_reported(url, ranks=2) == [list(range(8)), list(range(8, 16))]
             left_and_exited(regrown2)
-            time.sleep(3.0)  # load on two ranks
+            wait_each_shard_serves(load, [0, 1], SERVES_S)  # serving on two ranks
         finally:
             results = load.stop()
             if follower is not None and follower.poll() is None:

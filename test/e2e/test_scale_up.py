@@ -14,6 +14,7 @@ are in test_scale_down.py's chain.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sglang_elastic_ep.sglang.scale_progress import ENV_TEST_SKEW
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import (
@@ -36,11 +38,12 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     metric,
     operation_events,
     sse_events,
+    wait_each_shard_serves,
     wait_operation,
     wait_rank_state,
 )
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
-from sglang_elastic_ep.sglang.scale_progress import ENV_TEST_SKEW
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 SCALE_TIMEOUT_S = 420
 
@@ -84,21 +87,20 @@ def assert_nothing_lost(results: list[RequestResult], reference: dict[str, list[
     assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
     changed = [r for r in results if r.output_ids != reference[r.prompt]]
     assert not changed, f"outputs changed during scaling: {changed[:3]}"
-    assert len(results) > 20
+    # How many completed says how fast the machine is, not whether serving continued: the
+    # test waits for requests on every live shard after each change instead.
+    assert results
 
 
-JOINER_SERVES_S = 180  # three ranks on two cores are slow right after a commit
+# Three ranks on two cores are slow right after a commit (the first batch of a new shard
+# takes a while: docs/cpu-testbed.md); also the bound for serving to resume after a change.
+JOINER_SERVES_S = 180
 
 
 def wait_until_served(log_path: Path, shard: int, timeout_s: float) -> int:
-    """Prefill batches shard ``shard`` ran, once there is at least one (the first takes a
-    while on two cores right after a commit: docs/cpu-testbed.md)."""
-    deadline = time.monotonic() + timeout_s
-    while (served := batches_run_by(log_path, shard)) == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"shard {shard} ran no batch within {timeout_s} s")
-        time.sleep(1.0)
-    return served
+    """Prefill batches shard ``shard`` ran, once there is at least one."""
+    return wait_until(lambda: batches_run_by(log_path, shard), timeout_s,
+                      f"a batch run by shard {shard}", poll_s=1.0)
 
 
 def rank_events(events: list[dict], rank: int) -> list[str]:
@@ -143,15 +145,16 @@ def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Pa
                 degraded = wait_rank_state(url, 2, "failed", FAULT_SEEN_S)
                 assert degraded["phase"] == "serving_degraded", degraded
                 assert degraded["effective_ep_size"] == 3, degraded
-                served = len(load.snapshot())
-                time.sleep(5.0)
-                assert len(load.snapshot()) > served, "the survivors must keep serving"
+                # The survivors keep serving.
+                wait_each_shard_serves(load, [0, 1], JOINER_SERVES_S)
 
                 replacement = cluster.start_joiner("recover", rank_offset=2)
                 recovered = wait_rank_state(url, 2, "active", SCALE_TIMEOUT_S)
                 assert recovered["phase"] == "serving_recovered", recovered
                 assert recovered["effective_ep_size"] == 3, recovered
-                time.sleep(5.0)  # steady load on three shards again
+                # Load on three shards again, the replacement's included.
+                wait_each_shard_serves(load, [0, 1, 2], JOINER_SERVES_S,
+                                       logs={2: replacement.log_path})
             finally:
                 results = load.stop()
 
@@ -191,7 +194,9 @@ def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Pa
             # it: the one scale-down allowed while a rank is failed (vLLM's rule).
             load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
             try:
-                time.sleep(2.0)
+                # Under load on every shard when rank 2 dies.
+                wait_each_shard_serves(load, [0, 1, 2], JOINER_SERVES_S,
+                                       logs={2: replacement.log_path})
                 killed_at = time.monotonic()
                 cluster.kill_server(replacement)
                 wait_rank_state(url, 2, "failed", FAULT_SEEN_S)
@@ -203,7 +208,7 @@ def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Pa
                 assert removed["effective_ep_size"] == 2, removed
                 assert removed["ranks"][2]["state"] == "safe_to_terminate", removed
                 assert removed["safe_to_terminate_ranks"] == [2], removed
-                time.sleep(3.0)  # steady load on two shards
+                wait_each_shard_serves(load, [0, 1], JOINER_SERVES_S)  # serving on two shards
             finally:
                 results = load.stop()
             lost = [r for r in results if not r.ok]
@@ -221,15 +226,19 @@ def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Pa
 def remove_failed_tail(url: str, new_ep_size: int, timeout_s: float) -> str:
     """POST the scale-down that removes the failed tail; retried (new operation id) while the
     survivors have not let go of the slot yet (422 for a few passes after the failure)."""
-    deadline = time.monotonic() + timeout_s
-    for attempt in range(1000):
-        operation_id = f"remove-failed-{attempt}"
+    attempts = itertools.count()
+    refusals: list[str] = []
+
+    def accepted() -> str | None:
+        operation_id = f"remove-failed-{next(attempts)}"
         resp = httpx.post(url + "/scale_elastic_ep",
                           json={"new_ep_size": new_ep_size, "operation_id": operation_id},
                           timeout=60)
         if resp.status_code == 200:
             return operation_id
         assert resp.status_code == 422, resp.text
-        assert time.monotonic() < deadline, f"removal still refused: {resp.text}"
-        time.sleep(2.0)
-    raise AssertionError("unreachable")
+        refusals[:] = [resp.text]
+        return None
+
+    return wait_until(accepted, timeout_s, "the removal accepted", poll_s=2.0,
+                      describe=lambda: f"still refused: {refusals[-1] if refusals else ''}")

@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from sglang_elastic_ep.sglang.http_adapter import topology_from_args
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 
 def test_one_rank_per_attention_replica_with_dp_attention() -> None:
@@ -129,10 +130,9 @@ def _removal(answer: object) -> tuple[object, FakeTokenizerManager, object]:
 
     async def remove() -> object:
         result = await plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="cut"))
-        for _ in range(50):  # the watcher commits within a few polls
-            if plane.status().current_operation is None:
-                break
-            await asyncio.sleep(0.05)
+        # Polled from a thread: the watcher commits on this loop meanwhile.
+        await asyncio.to_thread(wait_until, lambda: plane.status().current_operation is None,
+                                60, "the removal finished", 0.05)
         return result
 
     return asyncio.run(remove()), tm, plane

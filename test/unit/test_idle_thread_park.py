@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.cpu.idle import (
     ThreadParker,
     find_spinning_native_threads,
@@ -63,21 +64,38 @@ def cpu_ms_over(tid: int, seconds: float) -> float:
     return (end - start) / 1e6
 
 
+def wait_spinning(tid: int) -> None:
+    """Until ``tid`` has burnt another 30 ms of CPU. No window: on a busy machine a spinning
+    thread only takes longer to get there; a parked one never does."""
+    start = thread_cpu_ns(tid)
+    assert start is not None
+    wait_until(lambda: (thread_cpu_ns(tid) or start) - start >= 30_000_000, 60,
+               f"thread {tid} spinning", poll_s=0.01)
+
+
+def wait_found_spinning(tid: int) -> None:
+    """Until a search finds ``tid`` (a search can miss it while other processes have the
+    cores: it needs a share of one over its window)."""
+    wait_until(lambda: tid in find_spinning_native_threads(window_s=0.1, min_share=0.05), 60,
+               f"thread {tid} found spinning", poll_s=0.01)
+
+
 def test_parker_stops_and_releases_a_spinning_native_thread(spinner: int) -> None:
     library = thread_park_library_path()
     if not library.exists():
         pytest.skip(f"{library} not built (scripts/setup.sh builds it)")
-    assert spinner in find_spinning_native_threads(window_s=0.1, min_share=0.05)
-    parker = ThreadParker(library, max_park_ms=5000)
+    wait_found_spinning(spinner)
+    # A bound far beyond the checks below: the park must not end by itself during them.
+    parker = ThreadParker(library, max_park_ms=600_000)
     parker.tids = [spinner]
     parker.park()
     try:
-        time.sleep(0.05)
-        assert parker.parked_count() == 1
+        wait_until(lambda: parker.parked_count() == 1, 60, "the spinner parked", poll_s=0.01)
+        # A parked thread burns nothing, however long the sleep really lasts.
         assert cpu_ms_over(spinner, 0.2) < 5.0
     finally:
         parker.unpark()
-    assert cpu_ms_over(spinner, 0.2) > 30.0  # spinning again
+    wait_spinning(spinner)  # spinning again
     assert parker.parked_count() == 0
 
 
@@ -90,9 +108,8 @@ def test_a_park_ends_by_itself_after_the_bound(spinner: int) -> None:
     parker.tids = [spinner]
     parker.park()  # and never unparked
     try:
-        time.sleep(0.1)
-        assert parker.parked_count() == 0
-        assert cpu_ms_over(spinner, 0.2) > 30.0
+        wait_until(lambda: parker.parked_count() == 0, 60, "the park ended", poll_s=0.01)
+        wait_spinning(spinner)
     finally:
         parker.unpark()
 
@@ -124,4 +141,4 @@ def test_idle_settings_reject_bad_values(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_a_search_cut_short_by_a_request_finds_nothing(spinner: int) -> None:
     """The search waits on the request sockets; a request that ends it early wins."""
     assert find_spinning_native_threads(window_s=0.1, wait=lambda s: None) == []
-    assert spinner in find_spinning_native_threads(window_s=0.1, min_share=0.05)
+    wait_found_spinning(spinner)

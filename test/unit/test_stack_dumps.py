@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sglang_elastic_ep_testbed.cluster.procs import dump_stacks, kill_tree, py_spy
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 SLEEPER = """
 import time
@@ -22,12 +23,13 @@ stuck_in_a_collective()
 def test_dump_names_the_function_a_process_is_stuck_in(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", SLEEPER], start_new_session=True)
     try:
+        # Until the interpreter has reached the function (dumps into a scratch file: ``out``
+        # must hold exactly one report below).
+        wait_until(lambda: "stuck_in_a_collective" in dump_stacks(
+            [proc.pid], tmp_path / "probe.txt", "probe"), 120, "the sleeper's stack", poll_s=0.1,
+            describe=lambda: (tmp_path / "probe.txt").read_text()[-2000:])
         out = tmp_path / "stacks.txt"
-        report = ""
-        for _ in range(50):  # until the interpreter has reached the function
-            report = dump_stacks([proc.pid], out, "unit test")
-            if "stuck_in_a_collective" in report:
-                break
+        report = dump_stacks([proc.pid], out, "unit test")
         assert "stuck_in_a_collective" in report, report
         assert report.startswith("===== unit test")
         assert out.read_text() == report

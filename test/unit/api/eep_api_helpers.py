@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +17,7 @@ from sglang_elastic_ep.api.routes import build_router
 from sglang_elastic_ep.core.operations import Operation
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.validation import ScaleTopology
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 INSTANCE = "inst-1"
 
@@ -128,11 +128,13 @@ def live_server(app: FastAPI) -> Iterator[str]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
+
+    def started() -> bool:
+        if not server.started and not thread.is_alive():
+            raise RuntimeError("uvicorn exited before it started")
+        return server.started
+
+    wait_until(started, 60, "uvicorn started", poll_s=0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

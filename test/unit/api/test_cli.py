@@ -22,6 +22,8 @@ from sglang_elastic_ep.cli.main import (
     main,
 )
 from sglang_elastic_ep.cli.sse import iter_sse
+from sglang_elastic_ep.core.events import EventBatch
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -199,18 +201,29 @@ def test_events_backlog(server: Server, capsys: pytest.CaptureFixture[str]) -> N
     assert [json.loads(line)["event_id"] for line in lines] == [2]
 
 
-def test_events_follow_prints_new_events(capsys: pytest.CaptureFixture[str]) -> None:
+def test_events_follow_prints_new_events(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     with serving(AutoEngine(step_s=0.05), poll_interval_s=0.02) as srv:
-        url = srv.url
+        # The stream reads the log with since(): once it does, the follower is connected and
+        # what happens next reaches it live.
+        streaming = threading.Event()
+        since = srv.plane.events.since
 
-        def scale_soon() -> None:
-            time.sleep(0.3)
-            assert run("scale", "--url", url, "--to", "4") == EXIT_OK
+        def since_and_tell(last_event_id: int) -> EventBatch:
+            streaming.set()
+            return since(last_event_id)
 
-        threading.Thread(target=scale_soon, daemon=True).start()
-        code = run("events", "--url", srv.url, "--follow", "--json", "--max-events", "2",
-                   "--last-event-id", "0")
-        assert code == EXIT_OK
+        monkeypatch.setattr(srv.plane.events, "since", since_and_tell)
+        codes: list[int] = []
+        follower = threading.Thread(target=lambda: codes.append(run(
+            "events", "--url", srv.url, "--follow", "--json", "--max-events", "2",
+            "--last-event-id", "0")), daemon=True)
+        follower.start()
+        wait_until(streaming.is_set, 60, "the follower streaming", poll_s=0.01)
+        assert run("scale", "--url", srv.url, "--to", "4") == EXIT_OK
+        follower.join(60)
+        assert codes == [EXIT_OK]
         lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
         assert [json.loads(line)["type"] for line in lines] == [
             "scale_requested", "scale_committed"

@@ -7,6 +7,7 @@ import asyncio
 from eep_api_helpers import AutoEngine, make_plane
 
 from sglang_elastic_ep.core.api_models import ScaleRequest
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 
 def experts(plane) -> list[list[int] | None]:  # noqa: ANN001
@@ -21,8 +22,9 @@ def test_a_report_for_another_size_is_stale_until_the_engine_reports_again() -> 
 
     async def shrink() -> None:
         await plane.request_scale(ScaleRequest(new_ep_size=1, operation_id="to-1"))
-        while plane.status().current_operation is not None:
-            await asyncio.sleep(0.01)
+        # Polled from a thread: the engine walks the operation on this loop meanwhile.
+        await asyncio.to_thread(wait_until, lambda: plane.status().current_operation is None,
+                                60, "the shrink finished", 0.01)
 
     asyncio.run(shrink())
     assert plane.status().effective_ep_size == 1

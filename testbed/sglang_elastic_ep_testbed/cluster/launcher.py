@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from sglang_elastic_ep_testbed.cluster.procs import (
     process_tree,
     processes_tagged,
 )
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.cpu.shared_host import ENV_SHARED_HOST_NODE
 
 # Environment variable holding a cluster's own tag (see LocalCluster._kill_stragglers).
@@ -126,6 +126,7 @@ class ServerProcess:
         log_dir: Path,
         cpus: int,
         extra_env: dict[str, str] | None = None,
+        first_rank: int = 0,
     ) -> None:
         self.name = name
         self.port = port
@@ -133,9 +134,12 @@ class ServerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{port}.log"
         env = {**os.environ, **CPU_ENV, **(extra_env or {})}
-        # One OMP thread set per rank; ranks share the machine's cores round-robin.
+        # One OMP thread set per rank; EP rank r runs on core r mod cores, whichever server
+        # holds it, so joiners do not all pile onto core 0.
         ncores = max(1, os.cpu_count() or 1)
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % ncores) for i in range(cpus))
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            str((first_rank + i) % ncores) for i in range(cpus)
+        )
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "sglang.launch_server", *args],
@@ -167,23 +171,23 @@ class ServerProcess:
         return "\n".join(text[-lines:])
 
     def wait_ready(self, timeout_s: float, path: str = "/health_generate") -> None:
-        deadline = time.monotonic() + timeout_s
+        """Return once ``path`` answers 200. Raises RuntimeError as soon as the process exits
+        (a failed start: not retried) and TimeoutError when it is still not ready after
+        ``timeout_s`` (a hung start: LocalCluster retries it once)."""
         with httpx.Client(timeout=5.0) as client:
-            while time.monotonic() < deadline:
+            def ready() -> bool:
                 if not self.alive():
                     raise RuntimeError(
                         f"{self.name} exited with {self.popen.returncode} before ready; log "
                         f"{self.log_path}:\n{self.log_tail()}"
                     )
                 try:
-                    if client.get(self.url + path).status_code == 200:
-                        return
+                    return client.get(self.url + path).status_code == 200
                 except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
-        raise TimeoutError(
-            f"{self.name} not ready in {timeout_s} s; log {self.log_path}:\n{self.log_tail()}"
-        )
+                    return False
+
+            wait_until(ready, timeout_s, f"{self.name} ready", poll_s=1.0,
+                       describe=lambda: f"log {self.log_path}:\n{self.log_tail()}")
 
     def scheduler_pids(self) -> dict[int, int]:
         """EP rank -> pid of its scheduler process (read from the process titles SGLang sets)."""
@@ -327,9 +331,10 @@ class LocalCluster:
         if recover:
             args += ["--ep-join-mode", "recover"]
         name = f"node{node}-{'recover' if recover else 'launch'}"
+        per_node = self.spec.ep_size // self.spec.nodes
         server = ServerProcess(
-            name, args, port, self.spec.log_dir, self.spec.ep_size // self.spec.nodes,
-            {**self.env, ENV_SHARED_HOST_NODE: "1"},
+            name, args, port, self.spec.log_dir, per_node,
+            {**self.env, ENV_SHARED_HOST_NODE: "1"}, first_rank=node * per_node,
         )
         self.followers[node] = server
         return server
@@ -370,7 +375,8 @@ class LocalCluster:
             "--elastic-ep-initial-size", str(self.spec.ep_size),
         ]
         joiner = ServerProcess(
-            f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size, self.env
+            f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size, self.env,
+            first_rank=rank_offset,
         )
         self.joiners.append(joiner)
         return joiner

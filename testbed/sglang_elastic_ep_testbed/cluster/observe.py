@@ -3,44 +3,56 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
+
+from sglang_elastic_ep_testbed.cluster.load import LoadClient
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
+
+T = TypeVar("T")
 
 
 def status(url: str) -> dict:
     return httpx.get(url + "/elastic_ep/status", timeout=30).json()
 
 
+def wait_status(
+    url: str, accept: Callable[[dict], T | None], timeout_s: float, what: str,
+    poll_s: float = 1.0,
+) -> T:
+    """Poll the status until ``accept(status)`` is truthy; that value. The timeout names
+    ``what`` and shows the last status read (no new request to a server that may be stuck)."""
+    last: list[dict] = []
+
+    def probe() -> T | None:
+        last[:] = [status(url)]
+        return accept(last[0])
+
+    return wait_until(probe, timeout_s, what, poll_s, describe=lambda: last[0] if last else None)
+
+
 def wait_rank_state(
     url: str, rank: int, state: str, timeout_s: float, poll_s: float = 1.0
 ) -> dict:
     """Poll the status until ``rank`` is in ``state``; the status then."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        current = status(url)
-        if current["ranks"][rank]["state"] == state:
-            return current
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank} not {state} in {timeout_s} s: {current}")
-        time.sleep(poll_s)
+    return wait_status(url, lambda s: s if s["ranks"][rank]["state"] == state else None,
+                       timeout_s, f"rank {rank} {state}", poll_s)
 
 
 def wait_operation(url: str, operation_id: str, timeout_s: float) -> dict:
     """Poll the status until ``operation_id`` finished; its entry in ``recent_operations``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        current = status(url)
+    def finished(current: dict) -> dict | None:
         done = [op for op in current["recent_operations"] if op["operation_id"] == operation_id]
-        if done:
-            return done[0]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"operation {operation_id} not finished in {timeout_s} s: {current}")
-        time.sleep(0.5)
+        return done[0] if done else None
+
+    return wait_status(url, finished, timeout_s, f"operation {operation_id} finished", 0.5)
 
 
 def post_scale(url: str, size: int, operation_id: str) -> None:
@@ -52,16 +64,14 @@ def post_scale(url: str, size: int, operation_id: str) -> None:
 def wait_experts_reported(url: str, ranks: int, timeout_s: float = 60) -> list[list[int]]:
     """The logical experts of ranks ``0..ranks-1`` once the status reports them for exactly
     that many ranks (the health poll refreshes the placement every 2 s)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        current = status(url)
+    def reported(current: dict) -> list[list[int]] | None:
         experts = [r["experts"] for r in current["ranks"]]
         if current["effective_ep_size"] == ranks and all(e is not None for e in experts[:ranks]) \
                 and all(e is None for e in experts[ranks:]):
             return experts[:ranks]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"experts of {ranks} ranks not reported in {timeout_s} s: {current}")
-        time.sleep(1.0)
+        return None
+
+    return wait_status(url, reported, timeout_s, f"experts of {ranks} ranks reported")
 
 
 def sse_events(url: str) -> list[dict]:
@@ -85,12 +95,36 @@ def operation_events(events: list[dict]) -> dict[str, list[str]]:
 def batches_run_by(log_path: Path, shard: int) -> int:
     """Prefill batches the scheduler of DP shard ``shard`` ran, from its server's log: proof
     that the primary's DP router sent it requests. (The HTTP response's dp_rank is not filled
-    in for requests served by a joiner's shard.)"""
-    return sum(
-        1
-        for line in log_path.read_text(errors="replace").splitlines()
-        if f" DP{shard}] Prefill batch" in line
-    )
+    in for requests served by a joiner's shard.) A joiner's lines read `` DP2] Prefill
+    batch``, a multi-rank server's `` DP1 TP1 EP1] Prefill batch``."""
+    line = re.compile(rf" DP{shard}(?: [A-Z_]+\d+)*\] Prefill batch")
+    return len(line.findall(log_path.read_text(errors="replace")))
+
+
+def wait_each_shard_serves(
+    load: LoadClient, shards: Sequence[int], timeout_s: float,
+    logs: Mapping[int, Path] | None = None,
+) -> None:
+    """Wait until each of ``shards`` served ``load`` after this call: a request started since
+    completed there (its response names the shard) or, for a shard in ``logs`` (shard -> its
+    server's log: a joiner's responses carry no dp_rank), its scheduler ran a new prefill batch.
+
+    What a test checks after a change instead of counting requests over a fixed time, which a
+    slow machine fails (fewer complete); failed requests are the caller's to check."""
+    since = time.monotonic()
+    logs = dict(logs or {})
+    baseline = {shard: batches_run_by(log, shard) for shard, log in logs.items()}
+
+    def waiting() -> list[int]:
+        served = {r.dp_rank for r in load.snapshot() if r.ok and r.started >= since}
+        return [
+            shard for shard in shards
+            if (batches_run_by(logs[shard], shard) <= baseline[shard] if shard in logs
+                else shard not in served)
+        ]
+
+    wait_until(lambda: not waiting(), timeout_s, f"requests served by each of shards {shards}",
+               poll_s=1.0, describe=lambda: f"shards {waiting()} served none yet")
 
 
 def metric(url: str, name: str) -> float | None:
@@ -126,10 +160,12 @@ class WebhookReceiver:
     def wait_for(
         self, predicate: Callable[[list[dict]], bool], timeout_s: float = 30.0
     ) -> list[dict]:
-        """Wait until ``predicate(received)`` holds (retries are the sender's job)."""
-        deadline = time.monotonic() + timeout_s
-        while not predicate(list(self.received)) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        """Wait until ``predicate(received)`` holds (retries are the sender's job); what was
+        received then, or at the timeout (the caller's assertion shows it)."""
+        try:
+            wait_until(lambda: predicate(list(self.received)), timeout_s, "webhook deliveries")
+        except TimeoutError:
+            pass
         return list(self.received)
 
     def close(self) -> None:

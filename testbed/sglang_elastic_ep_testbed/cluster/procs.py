@@ -14,6 +14,8 @@ from pathlib import Path
 
 import psutil
 
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -120,17 +122,19 @@ def _is_zombie(proc: psutil.Process) -> bool:
 
 
 def wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Whether ``pid`` is gone (or a zombie) within ``timeout_s``."""
+    def gone() -> bool:
         if not psutil.pid_exists(pid):
             return True
         try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return True
-        time.sleep(0.1)
-    return False
+
+    try:
+        return wait_until(gone, timeout_s, f"pid {pid} gone", poll_s=0.1)
+    except TimeoutError:
+        return False
 
 
 # The processes of a server worth a stack dump: schedulers, the DP controller, and the server's
