@@ -204,9 +204,11 @@ def cmd_up(args: argparse.Namespace, console: Console) -> int:
                 final = store.read() or state
                 # servers started by `join`/`recover` belong to other (finished) CLI processes
                 for server in final.servers:
-                    if server.role == "joiner" and server.alive():
+                    if server.alive() and server.pid not in cluster.server_pids():
                         kill_tree(server.pid, hard=True)
-                store.remove()
+    # removed last: `down` waits for this file to go, so it returns once everything is stopped
+    with store.locked():
+        store.remove()
     console.print("down")
     return EXIT_OK
 

@@ -259,6 +259,11 @@ class LocalCluster:
         cluster._taken = set(taken_ports)
         return cluster
 
+    def server_pids(self) -> set[int]:
+        """Leader pids of the servers this launcher started (it stops them itself)."""
+        servers = (self.primary, *self.followers.values(), *self.joiners)
+        return {s.pid for s in servers if s is not None}
+
     @property
     def taken_ports(self) -> frozenset[int]:
         """Every port this cluster uses or has set aside."""
