@@ -7,7 +7,7 @@ cd "$ROOT"
 bash scripts/setup.sh
 export SGLANG_USE_CPU_ENGINE=1  # in-process SGLang imports need the CPU shims at startup
 start=$(date +%s)
-.venv/bin/ruff check python test benchmark sgl-kernel
+.venv/bin/ruff check python test benchmark sgl-kernel testbed
 .venv/bin/python -m sglang_elastic_ep_testbed.tiny_model >/dev/null
-.venv/bin/python -m pytest -q -rs -p no:cacheprovider --timeout=1200 "${@:-test}"
+.venv/bin/python -m pytest -q -rs -p no:cacheprovider --timeout=1800 --durations=15 "${@:-test}"
 echo "test suite: $(( $(date +%s) - start )) s"

@@ -104,13 +104,13 @@ def _barrier(store: Any, name: str, ranks: list[int], rank: int, timeout_s: floa
 def run(args: argparse.Namespace) -> int:
     from torch.distributed import TCPStore
 
-    from sglang_elastic_ep_testbed.nixl_cpu import Buffer
-    from sglang_elastic_ep_testbed.nixl_cpu.moe_runner import run_packed_experts
     from sglang_elastic_ep.backends.nixl_membership import (
         BufferSizing,
         NixlMembership,
         RankRemovedError,
     )
+    from sglang_elastic_ep_testbed.nixl_cpu import Buffer
+    from sglang_elastic_ep_testbed.nixl_cpu.moe_runner import run_packed_experts
 
     torch.set_num_threads(1)
     plan: list[list[int]] = json.loads(args.plan)

@@ -12,7 +12,8 @@ from sglang_elastic_ep import hooks  # noqa: E402
 from sglang_elastic_ep_testbed import hooks as testbed_hooks  # noqa: E402
 
 
-@pytest.mark.parametrize("hook", hooks.HOOKS + testbed_hooks.HOOKS, ids=lambda h: h.target.removeprefix("sglang.srt."))
+@pytest.mark.parametrize("hook", hooks.HOOKS + testbed_hooks.HOOKS,
+                         ids=lambda h: h.target.removeprefix("sglang.srt."))
 def test_hook_target_and_impl_resolve(hook: hooks.Hook) -> None:
     owner_path, _, attr = hook.target.rpartition(".")
     owner = pkgutil.resolve_name(owner_path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_elastic_ep_testbed.nixl_cpu.moe_runner import run_packed_experts
 from sglang_elastic_ep.sglang.expert_timing import ExpertTimer, slowdown_for
+from sglang_elastic_ep_testbed.nixl_cpu.moe_runner import run_packed_experts
 
 
 def test_timer_keeps_a_moving_average_per_row_and_counts_rows() -> None:

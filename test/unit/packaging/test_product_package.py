@@ -70,8 +70,8 @@ def test_testbed_requires_this_very_product_version() -> None:
     assert f"sglang-elastic-ep=={product}" in [
         r.replace(" ", "") for r in requires("sglang-elastic-ep-testbed") or []
     ]
-    assert any(r.replace(" ", "").startswith(f"sglang-elastic-ep-testbed=={version('sglang-elastic-ep-testbed')}")
-               for r in requires("sglang-elastic-ep") or [])
+    testbed = f"sglang-elastic-ep-testbed=={version('sglang-elastic-ep-testbed')}"
+    assert any(r.replace(" ", "").startswith(testbed) for r in requires("sglang-elastic-ep") or [])
 
 
 def test_built_wheel_holds_the_product_and_no_testbed(tmp_path: Path) -> None:

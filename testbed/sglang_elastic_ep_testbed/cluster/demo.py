@@ -16,6 +16,7 @@ from rich.table import Table
 from sglang_elastic_ep_testbed.cluster.launcher import ClusterSpec, LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, LoadClient, RequestResult
 from sglang_elastic_ep_testbed.cluster.observe import sse_events, status, wait_operation
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model
 
 console = Console()
@@ -87,6 +88,10 @@ def main() -> None:
             console.print(f"operation {result['result']} in {result['duration_s']:.1f} s; "
                           f"serving with {status(url)['effective_ep_size']} ranks")
             time.sleep(args.seconds)
+            # Shrink only once shard 2 served: its first batch can take longer than the
+            # traffic window on a busy machine.
+            wait_until(lambda: prefill_batches(joiner.log_path, 2), 300,
+                       "a batch run by the new shard 2")
             console.print(f"{len(load.snapshot())} requests so far; POSTing /scale_elastic_ep "
                           "3 -> 2 (shard 2 drains, then rank 2 is released)")
             resp = httpx.post(url + "/scale_elastic_ep",
