@@ -5,9 +5,18 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
-export SGLANG_USE_CPU_ENGINE=1  # in-process SGLang imports need the CPU shims at startup
 start=$(date +%s)
 .venv/bin/ruff check python test benchmark sgl-kernel testbed
+PYTEST=(.venv/bin/python -m pytest -q -rs -p no:cacheprovider --timeout=1800 --durations=15)
+if [[ $# -eq 0 ]]; then
+  # Unit tests run as a fresh clone would run them by hand: without the CPU engine.
+  env -u SGLANG_USE_CPU_ENGINE "${PYTEST[@]}" test/unit
+fi
+export SGLANG_USE_CPU_ENGINE=1  # in-process SGLang imports need the CPU shims at startup
 .venv/bin/python -m sglang_elastic_ep_testbed.tiny_model >/dev/null
-.venv/bin/python -m pytest -q -rs -p no:cacheprovider --timeout=1800 --durations=15 "${@:-test}"
+if [[ $# -eq 0 ]]; then
+  "${PYTEST[@]}" test/integration test/e2e test/gpu
+else
+  "${PYTEST[@]}" "$@"
+fi
 echo "test suite: $(( $(date +%s) - start )) s"

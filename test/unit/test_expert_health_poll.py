@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import sys
-from dataclasses import dataclass
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,22 +16,7 @@ from sglang_elastic_ep.sglang.expert_health import BLOCKED_RANKS_KEY, REPORT_KEY
 FAST_NS, SLOW_NS = 100_000, 3_000_000
 
 
-@dataclass
-class SetInternalStateReq:
-    """Stand-in for SGLang's request struct: a unit test never imports SGLang's managers
-    (they pull in torchvision and take seconds)."""
-
-    server_args: dict
-
-
-@pytest.fixture(autouse=True)
-def _no_sglang_io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
-        if name not in sys.modules:
-            monkeypatch.setitem(sys.modules, name, ModuleType(name))
-    io_struct = ModuleType("sglang.srt.managers.io_struct")
-    io_struct.SetInternalStateReq = SetInternalStateReq  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+pytestmark = pytest.mark.usefixtures("fake_io_struct")
 
 
 class FakeTokenizerManager:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from sglang_elastic_ep.sglang.http_adapter import topology_from_args
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
+
+pytestmark = pytest.mark.usefixtures("fake_io_struct")
 
 
 def test_one_rank_per_attention_replica_with_dp_attention() -> None:
