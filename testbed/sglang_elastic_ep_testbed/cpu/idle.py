@@ -37,7 +37,10 @@ logger = logging.getLogger(__name__)
 ENV_IDLE_POLL_MS = "SGLANG_EEP_IDLE_POLL_MS"
 ENV_PARK_SPINNERS = "SGLANG_EEP_IDLE_PARK_SPINNERS"
 ENV_THREAD_PARK_LIB = "SGLANG_EEP_THREAD_PARK_LIB"
-DEFAULT_IDLE_POLL_MS = 5.0
+# Every idle pass still runs the DP token-count all-gather (and the membership agreement) over
+# Mooncake, whose waiters spin: at 5 ms an idle 2-rank elastic cluster burned 1.4 of the 2 cores
+# and starved joiners starting beside it; at 50 ms, 0.5. A request waits at most one poll more.
+DEFAULT_IDLE_POLL_MS = 50.0
 PARK_SIGNAL = signal.SIGRTMIN + 6  # glibc keeps the first two real-time signals for itself
 MAX_PARK_MS = 50
 SPIN_WINDOW_S = 0.02
