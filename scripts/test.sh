@@ -15,7 +15,7 @@ fi
 export SGLANG_USE_CPU_ENGINE=1  # in-process SGLang imports need the CPU shims at startup
 .venv/bin/python -m sglang_elastic_ep_testbed.tiny_model >/dev/null
 if [[ $# -eq 0 ]]; then
-  "${PYTEST[@]}" test/integration test/e2e test/gpu
+  "${PYTEST[@]}" test/e2e test/gpu test/integration  # the order `pytest test` runs them in
 else
   "${PYTEST[@]}" "$@"
 fi

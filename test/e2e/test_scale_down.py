@@ -1,9 +1,6 @@
 """Runtime scale-down and scale-up to four ranks on the CPU cluster under steady load (NIXL EP):
-2 -> 3 -> 2 -> 3 -> 4 -> 2 -> 3 -> 2, one cluster (starting one costs a minute on 2 cores). It
-covers 3 -> 2 (twice), 4 -> 2 (two ranks leave together), 2 -> 3 -> 2 -> 3 and 4 -> 2 -> 3 with
-a new joiner in a freed slot. A single tail rank leaving 4 -> 3 takes the same path as 3 -> 2
-and is not repeated: its joiner would be a second one starting beside three busy ranks, the
-slowest thing the suite does on two cores.
+2 -> 3 -> 2 -> 3 -> 4 -> 2 -> 3 -> 4 -> 3 -> 2, one cluster (starting one costs a minute on 2
+cores). It covers #5's 4 -> 3, 4 -> 2, 3 -> 2 -> 3 and 4 -> 2 -> 4 with new joiners.
 
 Upstream's trivial placement: ranks 0 and 1 hold experts 0..7 and 8..15 (8 slots each), a
 joiner's slots get copies. (With ``--init-expert-location`` putting each half twice on one
@@ -20,9 +17,11 @@ rank, some outputs changed after the joiners came in; the cause is not known yet
    The DP router sends requests to shards 2 and 3; every rank reports experts.
 5. 4 -> 2 with a long request on shard 2: ranks 2 and 3 become ``safe_to_terminate`` together
    and both servers exit 0.
-6. 2 -> 3 with a new joiner into the freed slot 2. Mooncake keeps WORLD at the four ranks it
-   reached; the joiner registers for four (cpu/mooncake_cpu.py), else Mooncake refuses it.
-7. 3 -> 1 is refused with 422 (attention DP needs two DP ranks; upstream asserts it every
+6. 2 -> 3 -> 4 with new joiners into both freed slots. Mooncake keeps WORLD at the four ranks
+   it reached; the slot-2 joiner registers for four (cpu/mooncake_cpu.py), else Mooncake
+   refuses it.
+7. 4 -> 3 with a long request on shard 3; its server exits 0.
+8. 3 -> 1 is refused with 422 (attention DP needs two DP ranks; upstream asserts it every
    pass, and a shrink to one crashed every scheduler), then 3 -> 2 with nothing to move.
 
 Nothing moves here: joiners only hold copies, and ranks 0 and 1 hold every expert. The move of
@@ -221,17 +220,27 @@ def test_shrink_and_regrow_between_2_and_4_under_load(tiny_model: Path) -> None:
             left_and_exited(rank3)
             assert wait_experts_reported(url, ranks=2) == placed[:2]
 
-            # 6. 2 -> 3 with a new joiner: Mooncake kept WORLD at the four ranks it reached, so
-            # the slot-2 joiner asks for four (cpu/mooncake_cpu.py), else Mooncake refuses it.
+            # 6. 2 -> 3 -> 4 with new joiners (the slot-2 one asks Mooncake for four ranks).
             regrown2 = cluster.start_joiner("scale", rank_offset=2)
             assert scale(url, 3, "regrow-to-3").status_code == 200
             succeeded(url, "regrow-to-3", 3)
             assert "registers for 4, not 3" in regrown2.log_path.read_text(errors="replace")
-            wait_each_shard_serves(load, [0, 1, 2], SERVES_S, logs={2: regrown2.log_path})
-            placed = wait_experts_reported(url, ranks=3)
-            assert placed[2] and set().union(*placed) == set(range(16)), placed
+            assert scale(url, 4, "regrow-to-4").status_code == 200
+            regrown3 = cluster.start_joiner("scale", rank_offset=3)
+            succeeded(url, "regrow-to-4", 4, timeout_s=JOIN_BESIDE_THREE_TIMEOUT_S)
+            assert_new_shards_serve(url, {2: regrown2, 3: regrown3})
+            placed = wait_experts_reported(url, ranks=4)
+            assert placed[2] and placed[3] and set().union(*placed) == set(range(16)), placed
 
-            # 7. 3 -> 1 is refused (attention DP needs two DP ranks) and changes nothing;
+            # 7. 4 -> 3 with a long request on the leaving shard.
+            shrink_with_a_long_request_on(url, 3, 3, "shrink-to-3")
+            status = succeeded(url, "shrink-to-3", 3)
+            assert states(url) == ["active", "active", "active", "safe_to_terminate"]
+            assert status["safe_to_terminate_ranks"] == [3], status
+            left_and_exited(regrown3)
+            assert wait_experts_reported(url, ranks=3) == placed[:3]
+
+            # 8. 3 -> 1 is refused (attention DP needs two DP ranks) and changes nothing;
             # 3 -> 2 then needs no move: ranks 0 and 1 hold every expert.
             refused = scale(url, 1, "shrink-to-1")
             assert refused.status_code == 422, refused.text
@@ -257,9 +266,9 @@ def test_shrink_and_regrow_between_2_and_4_under_load(tiny_model: Path) -> None:
         faults = [e for e in events if e["type"] in ("rank_failed", "recovery_required")]
         assert not faults, faults
         ops = operation_events(events)
-        for grown_id in ("grow-to-3", "grow-again", "grow-to-4", "regrow-to-3"):
+        for grown_id in ("grow-to-3", "grow-again", "grow-to-4", "regrow-to-3", "regrow-to-4"):
             assert ops[grown_id] == GROW, (grown_id, ops)
-        for shrunk_id in ("shrink-to-2", "shrink-4-to-2", "shrink-again-to-2"):
+        for shrunk_id in ("shrink-to-2", "shrink-4-to-2", "shrink-to-3", "shrink-again-to-2"):
             assert ops[shrunk_id] == SHRINK, (shrunk_id, ops)
         live = [json.loads(line) for line in followed.splitlines() if line.startswith("{")]
         assert [(e["type"], e["operation_id"]) for e in live] == [
