@@ -39,8 +39,8 @@ ENV_PARK_SPINNERS = "SGLANG_EEP_IDLE_PARK_SPINNERS"
 ENV_THREAD_PARK_LIB = "SGLANG_EEP_THREAD_PARK_LIB"
 # Every idle pass still runs the DP token-count all-gather (and the membership agreement) over
 # Mooncake, whose waiters spin: an idle 2-rank elastic cluster burns 1.4 of the 2 cores at 5 ms
-# (0.5 at 50 ms). 50 ms is not the default: with it, a killed replacement once left both
-# survivors blocked for good in the agreement's all-reduce (docs/cpu-testbed.md).
+# (0.5 at 50 ms). 50 ms is not the default until a stuck-agreement failure seen in suite runs
+# with both values is explained (docs/cpu-testbed.md).
 DEFAULT_IDLE_POLL_MS = 5.0
 PARK_SIGNAL = signal.SIGRTMIN + 6  # glibc keeps the first two real-time signals for itself
 MAX_PARK_MS = 50
