@@ -278,14 +278,14 @@ def cmd_recover(args: argparse.Namespace, console: Console) -> int:
     with store.locked():
         state = store.require()
         server = state.owner_of(args.rank)
-        if server.alive() and not (len(server.ranks) > 1 and server.role == "primary"):
-            raise TestbedError(f"EP rank {args.rank} is running ({server.name}, pid "
-                               f"{server.pid}); `sglang-eep testbed kill {args.rank}` first")
         if server.role == "primary":
             raise TestbedError(
                 f"EP rank {args.rank} runs inside the primary server, which cannot relaunch one "
                 "of its ranks; start the testbed with `--nodes N` to give each node its own "
                 "process, or remove the rank: POST /scale_elastic_ep with a smaller size")
+        if server.alive():
+            raise TestbedError(f"EP rank {args.rank} is running ({server.name}, pid "
+                               f"{server.pid}); `sglang-eep testbed kill {args.rank}` first")
         if server.role == "node":
             assert server.node is not None
             cluster = _cluster_from(state)
