@@ -40,10 +40,10 @@ def tree_cpu_seconds(pid: int) -> float:
 
 SETTINGS = (  # label, SGLANG_EEP_IDLE_POLL_MS, SGLANG_EEP_IDLE_PARK_SPINNERS, MoE a2a backend
     ("before: upstream idle loop (poll 0, no parking), dense MoE", "0", "0", "none"),
-    ("poll 5 ms + park Mooncake worker (the default), dense MoE", "5", "1", "none"),
-    ("poll 50 ms + park Mooncake worker, dense MoE", "50", "1", "none"),
-    ("poll 5 ms + park (the default), `--moe-a2a-backend nixl`", "5", "1", "nixl"),
-    ("poll 50 ms + park, `--moe-a2a-backend nixl`", "50", "1", "nixl"),
+    ("poll 5 ms + park Mooncake worker, dense MoE", "5", "1", "none"),
+    ("poll 50 ms + park Mooncake worker (the default), dense MoE", "50", "1", "none"),
+    ("poll 5 ms + park, `--moe-a2a-backend nixl`", "5", "1", "nixl"),
+    ("poll 50 ms + park (the default), `--moe-a2a-backend nixl`", "50", "1", "nixl"),
 )
 
 

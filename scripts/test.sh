@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # README command 2 (and CI): set up .venv if needed, lint, run the whole suite.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh test/unit -x`).
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh test/unit -x`); `--long` first runs
+# the whole suite plus the e2e scenarios too long for it (marker `long`, test/e2e/conftest.py).
 set -euo pipefail
+if [[ "${1:-}" == "--long" ]]; then
+  shift
+  export SGLANG_EEP_E2E_LONG=1
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh

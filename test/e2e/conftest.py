@@ -1,11 +1,37 @@
-"""E2E tests start real SGLang servers on CPU; all of them carry the ``e2e`` marker."""
+"""E2E tests start real SGLang servers on CPU; all of them carry the ``e2e`` marker.
+
+Two markers keep a scenario out of the default suite (README command 2, CI), with the reason
+printed as a skip: ``long`` (a scenario too long for the suite's 30 minutes on 2 cores; run with
+``SGLANG_EEP_E2E_LONG=1``, or ``bash scripts/test.sh --long``) and ``known_hang(reason)`` (a
+scenario that can hang for a known, not yet fixed reason; run with
+``SGLANG_EEP_E2E_KNOWN_HANGS=1``).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+ENV_LONG = "SGLANG_EEP_E2E_LONG"
+ENV_KNOWN_HANGS = "SGLANG_EEP_E2E_KNOWN_HANGS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "long: an e2e scenario outside the default suite")
+    config.addinivalue_line("markers", "known_hang(reason): an e2e scenario with a known hang")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    run_long = os.environ.get(ENV_LONG) == "1"
+    run_hangs = os.environ.get(ENV_KNOWN_HANGS) == "1"
     for item in items:
         if "/e2e/" in str(item.fspath):
             item.add_marker(pytest.mark.e2e)
+        if item.get_closest_marker("long") and not run_long:
+            item.add_marker(pytest.mark.skip(
+                reason=f"long scenario, outside the 30-minute suite: run with {ENV_LONG}=1"))
+        hang = item.get_closest_marker("known_hang")
+        if hang and not run_hangs:
+            item.add_marker(pytest.mark.skip(
+                reason=f"known hang: {hang.args[0]}; run with {ENV_KNOWN_HANGS}=1"))

@@ -57,7 +57,7 @@ HOOKS: tuple[Hook, ...] = (
               "slice"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.init_idle_sleeper",
               "cpu.idle:install_idle_sleeper", "AFTER",
-              "idle ranks poll 5 ms, not 1 s, and park Mooncake's spinning worker meanwhile"),
+              "idle ranks poll 50 ms, not 1 s, and park Mooncake's spinning worker meanwhile"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.on_idle", "cpu.idle:idle_pass", "AROUND",
               "Mooncake's spinning worker stays parked during idle housekeeping and the poll"),
     _cpu_hook(f"{S}server_args.wait_port_available", "cpu.shared_host:wait_port_available",

@@ -5,7 +5,8 @@ experts measured in the same check. A rank is unhealthy in a check when it is no
 when at least ``rank_failure_ratio`` of its measured experts are slow. A rank unhealthy for
 ``persistence_threshold`` consecutive checks (``dead_rank_threshold`` when not alive) is
 hard-blocked: it gets a ``RecoveryRequired`` decision once and stays blocked until
-``clear()`` (after it was recovered or removed). One healthy check resets the streak.
+``clear()`` (after it was recovered or removed). One healthy check resets the streak; a check
+in which none of a live rank's experts was measured leaves it as it was.
 """
 
 from __future__ import annotations
@@ -135,8 +136,13 @@ class RankHealthMonitor:
             measured = [
                 e for e, r in expert_rank.items() if r == rank and _valid(expert_latency.get(e))
             ]
-            slow = [e for e in measured if not healthy_expert[e]]
+            was_alive = rec.alive
             rec.alive = alive.get(rank, True)
+            if rec.alive and was_alive and not measured:
+                # None of its experts ran in this check (no tokens, or a liveness-only
+                # check): no evidence either way, so the streak stands.
+                continue
+            slow = [e for e in measured if not healthy_expert[e]]
             rec.unhealthy_experts = sorted(slow)
             slow_ratio = len(slow) / len(measured) if measured else 0.0
             rec.healthy = rec.alive and slow_ratio < self.config.rank_failure_ratio

@@ -161,3 +161,26 @@ def test_blocking_one_rank_narrows_what_the_next_may_rely_on() -> None:
     # a failed (not serving) rank is not blocked here: the data plane already skips it
     blocked, kept = blockable_ranks([3], p2l, local_slots=2, serving=[0, 1, 2])
     assert blocked == frozenset() and kept == {}
+
+
+def test_a_check_without_measurements_leaves_the_streak() -> None:
+    mon = RankHealthMonitor(RANKS, HealthConfig(persistence_threshold=3))
+    alive = {0: True, 1: True}
+    mon.observe(alive=alive, expert_latency=latencies({2, 3}), expert_rank=EXPERT_RANK)
+    mon.observe(alive=alive, expert_latency=latencies({2, 3}), expert_rank=EXPERT_RANK)
+    # A liveness-only check, then one where rank 1's experts saw no token: no evidence.
+    assert mon.observe(alive=alive, expert_latency={}, expert_rank=EXPERT_RANK) is None
+    unmeasured = {e: (None if EXPERT_RANK[e] == 1 else v) for e, v in latencies(set()).items()}
+    assert mon.observe(alive=alive, expert_latency=unmeasured, expert_rank=EXPERT_RANK) is None
+    snap = {r.rank: r for r in mon.to_response("i").ranks}
+    assert snap[1].consecutive_unhealthy_checks == 2 and not snap[1].healthy
+    decision = mon.observe(alive=alive, expert_latency=latencies({2, 3}), expert_rank=EXPERT_RANK)
+    assert decision is not None and decision.ranks == (1,)
+
+
+def test_a_rank_alive_again_ends_its_dead_streak_without_measurements() -> None:
+    mon = RankHealthMonitor(RANKS, HealthConfig(dead_rank_threshold=3))
+    mon.observe(alive={1: False}, expert_latency={}, expert_rank=EXPERT_RANK)
+    mon.observe(alive={1: True}, expert_latency={}, expert_rank=EXPERT_RANK)
+    snap = {r.rank: r for r in mon.to_response("i").ranks}
+    assert snap[1].alive and snap[1].healthy and snap[1].consecutive_unhealthy_checks == 0

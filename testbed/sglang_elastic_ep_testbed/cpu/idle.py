@@ -8,7 +8,7 @@ flight; on 2 cores a 2-rank cluster therefore sat at 2 cores doing nothing.
 
 The idle sleeper here handles both (``SGLANG_EEP_IDLE_PARK_SPINNERS=0`` turns the second off;
 see ``park_spinners_enabled``). An idle rank polls its
-request sockets with a short timeout (``SGLANG_EEP_IDLE_POLL_MS``, default 5 ms) instead of
+request sockets with a short timeout (``SGLANG_EEP_IDLE_POLL_MS``, default 50 ms) instead of
 upstream's 1 s (``--sleep-on-idle``): the receiving rank wakes at once and every other rank
 within one timeout, so the first request waits at most that long. With parking on, the
 process's busy-spinning native threads (found by their CPU time, again every 30 s as they
@@ -38,10 +38,10 @@ ENV_IDLE_POLL_MS = "SGLANG_EEP_IDLE_POLL_MS"
 ENV_PARK_SPINNERS = "SGLANG_EEP_IDLE_PARK_SPINNERS"
 ENV_THREAD_PARK_LIB = "SGLANG_EEP_THREAD_PARK_LIB"
 # Every idle pass still runs the DP token-count all-gather (and the membership agreement) over
-# Mooncake, whose waiters spin: an idle 2-rank elastic cluster burns 1.4 of the 2 cores at 5 ms
-# (0.5 at 50 ms). 50 ms is not the default until a stuck-agreement failure seen in suite runs
-# with both values is explained (docs/cpu-testbed.md).
-DEFAULT_IDLE_POLL_MS = 5.0
+# Mooncake, whose waiters spin: an idle 2-rank elastic cluster burns 1.4 of the 2 cores at 5 ms,
+# 0.5 at 50 ms, and a joiner starting beside it gets the rest. The first request of an idle
+# cluster waits at most one poll on the ranks it did not arrive at.
+DEFAULT_IDLE_POLL_MS = 50.0
 PARK_SIGNAL = signal.SIGRTMIN + 6  # glibc keeps the first two real-time signals for itself
 MAX_PARK_MS = 50
 SPIN_WINDOW_S = 0.02
