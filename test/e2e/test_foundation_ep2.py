@@ -2,20 +2,31 @@
 
 Greedy decoding of a fixed prompt set in float32: an expert computed on no rank or on two ranks
 changes the hidden states by a whole expert's output and flips tokens, so exact equality of the
-token ids is a real check of routing and placement.
+token ids is a real check of routing and placement. The NIXL EP cluster of the last part is
+started as a user starts one by hand, with ``sglang-eep testbed up``, and stopped with
+``testbed down`` from another process.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
+from sglang_elastic_ep_testbed import cli as testbed_cli
+from sglang_elastic_ep_testbed.cli import StateFile
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
+from sglang_elastic_ep_testbed.cluster.procs import kill_tree
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 MAX_NEW_TOKENS = 16
+CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
+UP_TIMEOUT_S = 600
 
 
 def greedy_outputs(url: str) -> tuple[dict[str, list[int]], set[int | None]]:
@@ -69,7 +80,7 @@ def check_contract_on_fixed_size_server(url: str) -> None:
 
 
 @pytest.mark.timeout(1200)
-def test_two_rank_ep_server_matches_one_rank(tiny_model: Path) -> None:
+def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path) -> None:
     with LocalCluster(ClusterSpec(tiny_model, ep_size=1, elastic=False)) as one:
         reference, _ = greedy_outputs(one.url)
         reference_chat = chat(one.url)
@@ -91,10 +102,64 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path) -> None:
 
     # The NIXL EP data plane on CPU (--moe-a2a-backend nixl): tokens travel to the ranks owning
     # their experts through the CPU buffer (real NIXL transfers) and back; same tokens again.
-    nixl_spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl")
-    with LocalCluster(nixl_spec) as nixl:
-        nixl_outputs, nixl_shards = greedy_outputs(nixl.url)
+    # This cluster is the one a user starts by hand: `sglang-eep testbed up`, then `show`
+    # and `down` from another process.
+    state_dir = tmp_path / "testbed"
+    with open(tmp_path / "up.out", "w") as out:
+        up = subprocess.Popen(
+            [*CLI, "testbed", "up", "--ranks", "2", "--max", "4", "--model", str(tiny_model),
+             "--state-dir", str(state_dir)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        state = wait_testbed_up(up, state_dir, tmp_path / "up.out")
+        nixl_outputs, nixl_shards = greedy_outputs(state.url)
+        shown = run_testbed(state_dir, "show")
+        assert shown.returncode == 0, shown.stdout
+        for server in state.servers:
+            assert str(server.pid) in shown.stdout, shown.stdout
+        down = run_testbed(state_dir, "down")
+        assert down.returncode == 0, down.stdout
+        assert up.wait(timeout=60) == 0, (tmp_path / "up.out").read_text()
+        assert not StateFile(state_dir).path.exists()
+        still = [s.pid for s in state.servers if s.alive()]
+        assert not still, f"servers left running after `testbed down`: {still}"
+    finally:
+        stop_testbed(up, state_dir)
     assert nixl_shards == {0, 1}
     mismatched = {p: (reference[p], nixl_outputs[p]) for p in reference
                   if reference[p] != nixl_outputs[p]}
     assert not mismatched, f"2-rank NIXL EP differs from 1 rank: {mismatched}"
+
+
+def run_testbed(state_dir: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, "testbed", *argv, "--state-dir", str(state_dir)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def wait_testbed_up(
+    up: subprocess.Popen[bytes], state_dir: Path, out: Path
+) -> testbed_cli.TestbedState:
+    store = StateFile(state_dir)
+
+    def written() -> testbed_cli.TestbedState | None:
+        assert up.poll() is None, f"`testbed up` exited {up.returncode}: {out.read_text()}"
+        return store.read()
+
+    return wait_until(written, UP_TIMEOUT_S, "`sglang-eep testbed up`", poll_s=1.0)
+
+
+def stop_testbed(up: subprocess.Popen[bytes], state_dir: Path) -> None:
+    """Whatever happened, nothing it started stays: `up` stops its servers on SIGTERM; by pid
+    with SIGKILL if it does not."""
+    if up.poll() is None:
+        up.terminate()
+        try:
+            up.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+    state = StateFile(state_dir).read()
+    for server in state.servers if state else []:
+        if server.alive():
+            kill_tree(server.pid, hard=True)
+    if psutil.pid_exists(up.pid) and up.poll() is None:
+        kill_tree(up.pid, hard=True)
+        up.wait(timeout=30)
