@@ -64,7 +64,7 @@ def test_poll_path_has_no_host_sync_and_still_sees_faults(monkeypatch: pytest.Mo
     fake_upstream = SimpleNamespace(
         try_recover_ranks=lambda ranks: recover_calls.append(list(ranks)) or False
     )
-    monkeypatch.setattr(hooks, "_upstream_elastic_ep", lambda: fake_upstream)
+    monkeypatch.setattr(hooks, "elastic_ep_module", lambda: fake_upstream)
 
     mask_buffer = torch.zeros(MAX_EP, dtype=torch.int32, device="cuda")  # NIXL: 1 = masked
     x = torch.randn(512, 512, device="cuda")

@@ -23,6 +23,7 @@ import torch
 
 from sglang_elastic_ep.sglang import expert_dispatch as ed
 from sglang_elastic_ep.sglang import nixl_buffer_hooks
+from sglang_elastic_ep.sglang.upstream import elastic_ep_enabled
 
 NUM_RANKS, NUM_LOCAL, NUM_LOGICAL, CAPACITY = 4, 3, 6, 8
 NUM_SLOTS = NUM_RANKS * NUM_LOCAL
@@ -173,9 +174,9 @@ def both(fn_a: Callable, fn_b: Callable, *args: Any) -> tuple[torch.Tensor, torc
 def test_gate_follows_elastic_ep_backend(sgl: dict[str, Any]) -> None:
     rc = sgl["rc"]
     with rc.use_context(sgl["off"]):
-        assert nixl_buffer_hooks.elastic_ep_enabled() is False
+        assert elastic_ep_enabled() is False
     with rc.use_context(sgl["on"]):
-        assert nixl_buffer_hooks.elastic_ep_enabled() is True
+        assert elastic_ep_enabled() is True
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -407,9 +408,9 @@ def test_cuda_triton_repair_graph_capture_and_compile(monkeypatch: pytest.Monkey
         logical_to_all_physical_map_cpu=table.cpu().unsqueeze(0),
     )
     state = SimpleNamespace(active_ranks=active)
-    monkeypatch.setattr(nixl_buffer_hooks, "elastic_ep_enabled", lambda: True)
-    monkeypatch.setattr(ed, "_elastic_state", lambda: state)
-    monkeypatch.setattr(ed, "_expert_location_metadata", lambda: metadata)
+    monkeypatch.setattr(ed, "elastic_ep_enabled", lambda: True)
+    monkeypatch.setattr(ed, "elastic_state", lambda: state)
+    monkeypatch.setattr(ed, "expert_location_metadata", lambda: metadata)
     ed.reset_caches()
     info = SimpleNamespace(
         partial_logical_to_all_physical_map=table,

@@ -16,7 +16,7 @@ def test_forgetting_deletes_only_the_freed_slots_cohorts(monkeypatch: pytest.Mon
     import sglang.srt.distributed.utils as dist_utils
     from sglang.srt.elastic_ep import elastic_ep
 
-    from sglang_elastic_ep.sglang.scale_down import forget_cohorts
+    from sglang_elastic_ep.sglang.tail_release import forget_cohorts
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
     monkeypatch.setattr(dist_utils, "get_global_tcp_store", lambda: store)

@@ -70,9 +70,8 @@ def test_the_idle_step_runs_only_when_no_rank_has_a_batch(
     runner = SimpleNamespace(maybe_join_ep_ranks=lambda: calls.append("step"))
     sched = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner),
                             _maybe_report_active_ranks=lambda: calls.append("report"))
-    monkeypatch.setattr(scale_progress, "_elastic_state",
-                        lambda: SimpleNamespace(instance=lambda: object()))
-    monkeypatch.setattr(scale_progress, "_lockstep_agreement_on", lambda state, parallel: True)
+    monkeypatch.setattr(scale_progress, "elastic_state", lambda: object())
+    monkeypatch.setattr(scale_progress, "lockstep_agreement_on", lambda state, parallel: True)
     import sglang.srt.runtime_context as runtime_context
 
     monkeypatch.setattr(runtime_context, "get_parallel", lambda: object())
@@ -83,7 +82,7 @@ def test_the_idle_step_runs_only_when_no_rank_has_a_batch(
 
 
 def test_a_server_is_stopped_only_when_every_one_of_its_ranks_leaves() -> None:
-    from sglang_elastic_ep.sglang.scale_down import first_rank_of_server
+    from sglang_elastic_ep.sglang.tail_release import first_rank_of_server
 
     # A joiner at offset 2 (ranks 2..): its own server.
     assert first_rank_of_server(is_joiner=True, join_offset=2, node_rank=0, ranks_per_node=1) == 2

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from sglang_elastic_ep.sglang.scale_progress import _lockstep_agreement_on
+from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on
 
 
 def test_agreement_only_with_cpu_state_and_room_to_grow() -> None:
@@ -14,12 +15,12 @@ def test_agreement_only_with_cpu_state_and_room_to_grow() -> None:
     grow = SimpleNamespace(max_ep_size=4, tp_size=2)
     full = SimpleNamespace(max_ep_size=2, tp_size=2)
     unset = SimpleNamespace(max_ep_size=None, tp_size=2)
-    assert _lockstep_agreement_on(cpu_state, grow) is True
-    assert _lockstep_agreement_on(cpu_state, full) is False
-    assert _lockstep_agreement_on(cpu_state, unset) is False
-    assert _lockstep_agreement_on(None, grow) is False
+    assert lockstep_agreement_on(cpu_state, grow) is True
+    assert lockstep_agreement_on(cpu_state, full) is False
+    assert lockstep_agreement_on(cpu_state, unset) is False
+    assert lockstep_agreement_on(None, grow) is False
     meta_state = SimpleNamespace(active_ranks=torch.ones(4, device="meta"))  # not host memory
-    assert _lockstep_agreement_on(meta_state, grow) is False
+    assert lockstep_agreement_on(meta_state, grow) is False
 
 
 def test_readiness_skew_holds_back_only_the_named_rank_for_its_passes() -> None:
@@ -32,3 +33,18 @@ def test_readiness_skew_holds_back_only_the_named_rank_for_its_passes() -> None:
     on_time = ReadinessSkew("1:3", rank=0)
     assert on_time.apply(3) == 3
     assert ReadinessSkew(None, rank=1).apply(3) == 3
+
+
+def test_readiness_skew_reads_the_environment_once_and_lives_on_the_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sglang_elastic_ep.sglang import scale_progress
+
+    monkeypatch.setattr(scale_progress.dist, "get_rank", lambda: 1)
+    monkeypatch.setenv(scale_progress.ENV_TEST_SKEW, "1:2")
+    runner = SimpleNamespace()
+    skew = scale_progress.readiness_skew(runner)
+    assert skew.passes == 2
+    monkeypatch.delenv(scale_progress.ENV_TEST_SKEW)  # later passes never read it again
+    assert scale_progress.readiness_skew(runner) is skew
+    assert scale_progress.readiness_skew(SimpleNamespace()).passes == 0  # another process

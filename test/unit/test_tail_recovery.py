@@ -40,7 +40,7 @@ def wired(monkeypatch: pytest.MonkeyPatch):
         manager = FakeManager(st)
         reports: list[tuple] = []
         metadata = SimpleNamespace(physical_to_logical_map=torch.tensor([p2l]))
-        monkeypatch.setattr(tail_recovery, "_state_manager", lambda: manager)
+        monkeypatch.setattr(tail_recovery, "state_manager", lambda: manager)
         monkeypatch.setattr(tail_recovery, "_reported", set())
         monkeypatch.setattr(expert_location, "get_global_expert_location_metadata",
                             lambda: metadata)

@@ -46,7 +46,11 @@ from typing import Any
 import torch
 
 from sglang_elastic_ep.sglang import expert_health
-from sglang_elastic_ep.sglang import nixl_buffer_hooks as _nixl
+from sglang_elastic_ep.sglang.upstream import (
+    elastic_ep_enabled,
+    elastic_state,
+    expert_location_metadata,
+)
 from sglang_elastic_ep_kernels import select_physical_experts
 
 try:  # Triton: the fused repair step on CUDA; the torch version runs everywhere else.
@@ -71,7 +75,7 @@ def topk_ids_logical_to_physical(original_fn: Any, *args: Any, **kwargs: Any) ->
     Elastic EP off: exactly ``original_fn(*args, **kwargs)``. On: upstream's pick, with picks on
     inactive ranks moved to live replicas (``-1`` where none is left).
     """
-    if not _nixl.elastic_ep_enabled():
+    if not elastic_ep_enabled():
         return original_fn(*args, **kwargs)
     physical = original_fn(*args, **kwargs)
     topk_ids = args[0] if args else kwargs["topk_ids"]
@@ -85,10 +89,10 @@ def topk_ids_logical_to_physical(original_fn: Any, *args: Any, **kwargs: Any) ->
 def _route_live(topk_ids: torch.Tensor, physical: torch.Tensor, info: Any) -> torch.Tensor:
     # Kept out of torch.compile (upstream calls the dispatch from a compiled function): a graph
     # break here, the kernels launch as they are. Host reads: shapes and Python ints only.
-    state = _elastic_state()
+    state = elastic_state()
     if state is None or state.active_ranks is None or topk_ids.numel() == 0:
         return physical
-    metadata = _expert_location_metadata()
+    metadata = expert_location_metadata()
     if metadata is None:
         _warn_once("no-metadata", "elastic EP dispatch: no expert location metadata; unchanged")
         return physical
@@ -132,7 +136,7 @@ def dispatch_info_with_layer(
     can use the layer's full replica list (upstream's list is collapsed to this rank's nearest
     replica with an a2a backend; a dead or blocked rank's replica then has no alternative)."""
     info = original_fn(cls, layer_id, *args, **kwargs)
-    if info is not None and _nixl.elastic_ep_enabled():
+    if info is not None and elastic_ep_enabled():
         setattr(info, ELASTIC_LAYER_ATTR, int(layer_id))
     return info
 
@@ -396,21 +400,6 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
-# --------------------------------------------------------------------- SGLang look-ups
-
-
-def _elastic_state() -> Any:
-    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
-
-    return ElasticEPStateManager.instance()
-
-
-def _expert_location_metadata() -> Any:
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-    return get_global_expert_location_metadata()
-
-
 # ------------------------------------------------------------------ membership-event log
 
 
@@ -439,7 +428,7 @@ def log_replica_coverage(active_ranks_cpu: Any) -> list[tuple[int, int]] | None:
     if active_ranks_cpu is None:
         return None
     try:
-        metadata = _expert_location_metadata()
+        metadata = expert_location_metadata()
     except (ImportError, ValueError, AttributeError):
         return None
     if metadata is None:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from sglang_elastic_ep.sglang.upstream import expert_location_metadata
+
 logger = logging.getLogger(__name__)
 
 BLOCKED_RANKS_KEY = "elastic_ep_blocked_ranks_mask"
@@ -31,17 +33,11 @@ _blocked_mask = 0
 _keep: torch.Tensor | None = None  # 1 where a rank is not blocked (device copy of the mask)
 
 
-def _metadata() -> Any:
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-    return get_global_expert_location_metadata()
-
-
 def local_contribution(rank: int, max_ep_size: int) -> list[int]:
     """This rank's share of the gathered vector: [ns per row..., rows...] over every physical
     slot up to ``max_ep_size``, zeros outside this rank's own slots. Its length is the same on
     every rank (the layout keeps slots per rank fixed), as the all-reduce needs."""
-    metadata = _metadata()
+    metadata = expert_location_metadata()
     local = int(metadata.num_local_physical_experts) if metadata is not None else 0
     total = max_ep_size * local
     ns = [0] * total
@@ -58,7 +54,7 @@ def local_contribution(rank: int, max_ep_size: int) -> list[int]:
 def take_gathered(values: list[int]) -> None:
     """The reduced vector (every rank's share): kept for rank 0's report."""
     global _gathered
-    metadata = _metadata()
+    metadata = expert_location_metadata()
     if metadata is not None and values:
         _gathered = (int(metadata.num_local_physical_experts), values)
 
@@ -69,7 +65,7 @@ def add_report(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         return
     local, values = _gathered
     half = len(values) // 2
-    metadata = _metadata()
+    metadata = expert_location_metadata()
     p2l = [] if metadata is None else metadata.physical_to_logical_map[0].tolist()
     result.internal_state[REPORT_KEY] = {
         "local_slots": local,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_elastic_ep.core.placement import PlacementError, scale_down_map
+from sglang_elastic_ep.sglang.upstream import expert_location_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ logger = logging.getLogger(__name__)
 def planned_map(old_ep_size: int, new_ep_size: int) -> tuple[Any, list[list[int]]] | None:
     """(current metadata, map after the moves) or None without expert location metadata.
     Raises ``PlacementError`` when the staying ranks cannot hold every expert."""
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-    metadata = get_global_expert_location_metadata()
+    metadata = expert_location_metadata()
     if metadata is None:
         return None
     rows = metadata.physical_to_logical_map.tolist()

@@ -33,6 +33,12 @@ def slowdown_for(spec: str | None, rank: int) -> float:
 
 
 class ExpertTimer:
+    @classmethod
+    def from_environment(cls, rank: int) -> ExpertTimer:
+        """With the injected slowdown as the server's environment set it before start (read
+        once here; ``record`` runs after every expert and reads only ``slowdown``)."""
+        return cls(slowdown_for(os.environ.get(ENV_TEST_SLOW_EXPERTS), rank))
+
     def __init__(self, slowdown: float = 1.0) -> None:
         self.slowdown = slowdown
         self.seconds_per_row: list[float] = []
@@ -66,11 +72,12 @@ _timer: ExpertTimer | None = None
 
 
 def expert_timer() -> ExpertTimer:
-    """This process's timer (one EP rank per scheduler process)."""
+    """This process's timer (one EP rank per scheduler process). Process-wide because its two
+    users share no object: the CPU MoE layer records into it, the per-pass step reads it."""
     global _timer
     if _timer is None:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        _timer = ExpertTimer(slowdown_for(os.environ.get(ENV_TEST_SLOW_EXPERTS), rank))
+        _timer = ExpertTimer.from_environment(rank)
     return _timer

@@ -5,11 +5,11 @@ Everything that decides anything lives in :mod:`sglang_elastic_ep.backends.nixl_
 active-rank mask). This module wires them onto upstream objects; it registers nothing itself.
 The plugin's hook table (:data:`sglang_elastic_ep.hooks.HOOKS`) is the one list of what gets
 installed; it names the ``hook_*`` functions below. Each of them first checks
-:func:`elastic_ep_enabled` and, without ``--elastic-ep-backend``, calls upstream's original
-unchanged (AROUND) or does nothing (AFTER). The functions they delegate to (``nixl_on_scale``,
-``state_is_active_equal_last``, ...) are the elastic-EP behaviour itself and are what the tests
-call directly. ``HOOKS`` here is a read-only view of this module's rows of that table, as
-``(target, hook function, HookType name, why)``.
+``upstream.elastic_ep_enabled`` and, without ``--elastic-ep-backend``, calls upstream's
+original unchanged (AROUND) or does nothing (AFTER). The functions they delegate to
+(``nixl_on_scale``, ``state_is_active_equal_last``, ...) are the elastic-EP behaviour itself and
+are what the tests call directly. ``HOOKS`` here is a read-only view of this module's rows of
+that table, as ``(target, hook function, HookType name, why)``.
 
 SGLang is imported lazily, inside the functions that need it, so this module imports without it.
 
@@ -37,24 +37,16 @@ from typing import Any
 from sglang_elastic_ep.backends.active_ranks_mirror import ActiveRanksMirror
 from sglang_elastic_ep.backends.nixl_membership import BufferSizing, NixlMembership
 from sglang_elastic_ep.core.membership import is_recovery_join
+from sglang_elastic_ep.sglang.upstream import (
+    elastic_ep_enabled,
+    elastic_ep_module,
+    elastic_state,
+    state_manager,
+)
 
 logger = logging.getLogger(__name__)
 
 _MIRROR_ATTR = "_elastic_ep_mirror"
-
-
-def elastic_ep_enabled() -> bool:
-    """Whether this process serves with elastic EP (``--elastic-ep-backend`` was given).
-
-    False before SGLang published its config (unit tests, early imports). Cheap enough for the
-    forward path: a dict lookup and two attribute reads, and traceable by torch.compile.
-    """
-    from sglang.srt.runtime_context import get_context
-
-    ctx = get_context()
-    if not ctx.is_config_namespace_published("exec"):
-        return False
-    return ctx.config_bag("exec").moe.elastic_ep_backend is not None
 
 
 # ------------------------------------------------------------------------ membership plumbing
@@ -102,9 +94,7 @@ def mark_ranks_drained(ranks: Iterable[int]) -> None:
 
 
 def _active_ranks_cpu() -> list[int] | None:
-    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
-
-    inst = ElasticEPStateManager.instance()
+    inst = elastic_state()
     if inst is None or inst.active_ranks_cpu is None:
         return None
     return [int(v) for v in inst.active_ranks_cpu.tolist()]
@@ -179,7 +169,6 @@ def _create_buffer(
     """Upstream's creation path, with sizing and the first connect owned by the membership."""
     import torch.distributed as dist
     from sglang.srt.distributed.utils import get_global_tcp_store
-    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
     from sglang.srt.layers.moe.token_dispatcher.nixl import _load_nixl_ep
     from sglang.srt.runtime_context import get_parallel
 
@@ -199,7 +188,7 @@ def _create_buffer(
 
     rank = dist.get_rank(group)
     world_size = dist.get_world_size(group)
-    offset = ElasticEPStateManager.get_ep_join_rank_offset()
+    offset = state_manager().get_ep_join_rank_offset()
     global_rank = rank + offset
     max_ep_size = get_parallel().max_ep_size or world_size
     sizing = BufferSizing(
@@ -279,12 +268,6 @@ def state_after_sync_active_to_cpu(result: Any, self: Any) -> None:
     return None
 
 
-def _upstream_elastic_ep() -> Any:
-    from sglang.srt.elastic_ep import elastic_ep
-
-    return elastic_ep
-
-
 def maybe_recover_ep_ranks(
     *,
     tp_group: Any,
@@ -298,7 +281,7 @@ def maybe_recover_ep_ranks(
     forward while a rank is missing. Here the missing ranks come from the mirror of that tensor
     (refreshed without blocking) and the host mask; the collective steps are upstream's own.
     """
-    ee = _upstream_elastic_ep()
+    ee = elastic_ep_module()
     mirror = mirror_of(tp_group)
     mirror.poll_refresh()
     mirror.refresh_async()

@@ -26,14 +26,9 @@ import torch.distributed as dist
 from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
 from sglang_elastic_ep.sglang import expert_health, tail_recovery
 from sglang_elastic_ep.sglang.scale_down import finalize_scale_down, is_shrink, ready_to_shrink
+from sglang_elastic_ep.sglang.upstream import elastic_state, lockstep_agreement_on
 
 logger = logging.getLogger(__name__)
-
-
-def _elastic_state() -> Any:
-    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
-
-    return ElasticEPStateManager
 
 
 def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -43,7 +38,7 @@ def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwarg
         return  # the forward pass calls maybe_join_ep_ranks itself
     from sglang.srt.runtime_context import get_parallel
 
-    if not _lockstep_agreement_on(_elastic_state().instance(), get_parallel()):
+    if not lockstep_agreement_on(elastic_state(), get_parallel()):
         return
     # Called on every idle iteration (not only when this rank sees a scale): the agreement
     # inside maybe_join_ep_ranks is a collective that every rank must enter on the same pass.
@@ -63,7 +58,7 @@ def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
     live replicas instead."""
     if eplb_manager is not None:
         return original(eplb_manager=eplb_manager)
-    state = _elastic_state().instance()
+    state = elastic_state()
     if state is None or state.is_active_equal_last():
         return False
     state.snapshot_active_to_last()
@@ -74,17 +69,6 @@ def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
         state.active_ranks_cpu.tolist(),
     )
     return False
-
-
-def _lockstep_agreement_on(state: Any, parallel: Any) -> bool:
-    """The per-pass agreement runs where it costs nothing on the hot path: an elastic deployment
-    with room to grow whose membership state lives on the CPU (the CPU engine; one tiny host
-    all-reduce per pass). On GPUs the same all-reduce would add a device collective and a host
-    sync to every forward, so there upstream's behaviour is kept until the store-based agreement
-    (``core.agreement.RankAgreement``, no collective) is wired in."""
-    if state is None or state.active_ranks is None or state.active_ranks.device.type != "cpu":
-        return False
-    return bool(parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size)
 
 
 def _ready_target(state: Any, target: int) -> int:
@@ -114,6 +98,11 @@ class ReadinessSkew:
     reports a scale as ready only ``passes`` passes after it could, as if it saw the change
     late. The agreement must then hold the other ranks (serving) until it catches up."""
 
+    @classmethod
+    def from_environment(cls, rank: int) -> ReadinessSkew:
+        """The knob as the server's environment set it before start (read once, not per pass)."""
+        return cls(os.environ.get(ENV_TEST_SKEW), rank)
+
     def __init__(self, spec: str | None, rank: int) -> None:
         self.passes = 0
         if spec:
@@ -140,14 +129,17 @@ class ReadinessSkew:
         return ready
 
 
-_skew: ReadinessSkew | None = None
+_SKEW_ATTR = "_elastic_ep_readiness_skew"
 
 
-def _readiness_skew() -> ReadinessSkew:
-    global _skew
-    if _skew is None:
-        _skew = ReadinessSkew(os.environ.get(ENV_TEST_SKEW), dist.get_rank())
-    return _skew
+def readiness_skew(runner: Any) -> ReadinessSkew:
+    """This rank's skew, built on first use and kept on its model runner (one per process), so
+    the per-pass step reads an attribute, not the environment."""
+    skew = getattr(runner, _SKEW_ATTR, None)
+    if skew is None:
+        skew = ReadinessSkew.from_environment(dist.get_rank())
+        setattr(runner, _SKEW_ATTR, skew)
+    return skew
 
 
 def agreed_join_step(original: Any, runner: Any) -> None:
@@ -159,8 +151,8 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     load one rank admitted the joiner while another ran the next MoE dispatch, and both hung."""
     from sglang.srt.runtime_context import get_parallel
 
-    state = _elastic_state().instance()
-    if not _lockstep_agreement_on(state, get_parallel()):
+    state = elastic_state()
+    if not lockstep_agreement_on(state, get_parallel()):
         return original(runner)
     tail_recovery.request_return_when_replacement_registered(state)
     target = state.pending_ep_size or 0
@@ -172,7 +164,7 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         ready = ready_to_shrink(state, runner._elastic_global_rank())
     else:
         ready = _ready_target(state, target)
-    skew = _readiness_skew()
+    skew = readiness_skew(runner)
     ready = skew.apply(ready)
     # Expert timings ride along (expert_health): no collective of their own.
     timings = expert_health.local_contribution(runner._elastic_global_rank(),

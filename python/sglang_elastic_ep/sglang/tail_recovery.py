@@ -7,9 +7,9 @@ those groups, only in the expandable WORLD, so after any scale upstream gives up
 A failed tail of scale-joined ranks comes back the way it first came in, in two agreed steps:
 
 1. **Let go** (every survivor, on one agreed pass): the failed slots are cut from the expert map
-   and from DP attention, exactly as a scale-down does (``finalize_scale_down``), except that
-   the HTTP process is not told to shrink: its router keeps the shard marked failed and the
-   status keeps showing the slot as failed. Requests the dead shard held were already ended
+   and from DP attention, exactly as a scale-down does (``tail_release.release_tail``), except
+   that the HTTP process is not told to shrink: its router keeps the shard marked failed and
+   the status keeps showing the slot as failed. Requests the dead shard held were already ended
    with 503 by the HTTP process. Only when every logical expert keeps a replica on the
    surviving ranks; otherwise nothing changes and the reason is reported.
 2. **Re-admit**: a replacement launched with ``--ep-join-mode recover`` and the slots' join
@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from sglang_elastic_ep.core.membership import failed_tail
 from sglang_elastic_ep.core.placement import uncovered_experts
+from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
+from sglang_elastic_ep.sglang.upstream import expert_location_metadata, state_manager
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +45,6 @@ _reported: set[str] = set()
 def awaiting_replacement() -> int | None:
     """The size this rank returns to once the failed slots' replacement joins (None: none)."""
     return _return_to
-
-
-def _state_manager() -> Any:
-    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
-
-    return ElasticEPStateManager
 
 
 def _once(message: str) -> None:
@@ -85,9 +81,7 @@ def contraction_target(state: Any, runner: Any) -> int:
 
 
 def _uncovered_without(first: int, effective: int) -> str | None:
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-    metadata = get_global_expert_location_metadata()
+    metadata = expert_location_metadata()
     if metadata is None:
         return None
     p2l = metadata.physical_to_logical_map
@@ -101,7 +95,7 @@ def _uncovered_without(first: int, effective: int) -> str | None:
 
 
 def _fail_recovery(runner: Any, state: Any, problem: str) -> None:
-    manager = _state_manager()
+    manager = state_manager()
     manager.fail_recovery(problem)
     runner._report_elastic_scale_failure(problem, state.effective_ep_size)
     _once(problem)
@@ -110,11 +104,9 @@ def _fail_recovery(runner: Any, state: Any, problem: str) -> None:
 def let_go_of_failed_tail(runner: Any, target: int) -> None:
     """Step 1, on every survivor in the same agreed pass."""
     global _return_to
-    from sglang_elastic_ep.sglang.scale_down import finalize_scale_down
-
-    state = _state_manager().instance()
+    state = state_manager().instance()
     old = state.effective_ep_size
-    finalize_scale_down(runner, target, tell_tokenizer=False, move_experts=False)
+    release_tail(runner, target, tell_tokenizer=False, move_experts=False)
     state.scale_phase = "awaiting_replacement"
     _return_to = old
     logger.warning(
@@ -153,7 +145,7 @@ def request_return_when_replacement_registered(state: Any) -> None:
     if not all(get_peer_state(dist.group.WORLD, list(range(state.effective_ep_size,
                                                             _return_to)))):
         return
-    if _state_manager().request_scale(_return_to):
+    if state_manager().request_scale(_return_to):
         logger.info("[elastic-ep] replacement for ranks %d..%d registered: re-admitting it",
                     state.effective_ep_size, _return_to - 1)
 
@@ -178,7 +170,7 @@ def world_gather_width(original: Any, num_dp_ranks: int, **kwargs: Any) -> int:
     try:
         return original(num_dp_ranks, **kwargs)
     except RuntimeError:
-        state = _state_manager().instance()
+        state = state_manager().instance()
         group = kwargs.get("group")
         if state is None or group is None:
             raise
@@ -205,8 +197,6 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
     state.last_error = None
     runner = scheduler.tp_worker.model_runner
     if get_parallel().tp_rank == 0 and not get_exec().moe.is_ep_scale_joiner:
-        from sglang_elastic_ep.sglang.scale_down import forget_cohorts
-
         forget_cohorts(range(new_ep_size, old))  # the dead joiners' cohorts, now stale
         runner._pending_elastic_scale_update = ElasticScaleUpdateReq(
             success=True, effective_ep_size=new_ep_size,
@@ -231,7 +221,7 @@ def gather_masks_expanded_world(
     (``ElasticEPState.active_ranks``, which Mooncake clears when a rank dies). Seen without it:
     a joiner killed during the gather left a garbage token count in its row, and a survivor
     died building an idle batch of 32622 tokens."""
-    state = _state_manager().instance() if use_all_reduce else None
+    state = state_manager().instance() if use_all_reduce else None
     if state is None or state.active_ranks is None:
         return original(info, device, group, use_all_reduce)
     from sglang.srt.runtime_context import get_parallel

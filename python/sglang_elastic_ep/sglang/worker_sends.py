@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from sglang_elastic_ep.sglang.nixl_buffer_hooks import elastic_ep_enabled
+from sglang_elastic_ep.sglang.upstream import elastic_ep_enabled
 
 logger = logging.getLogger(__name__)
 

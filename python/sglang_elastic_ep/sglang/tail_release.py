@@ -1,0 +1,169 @@
+"""Letting the tail ranks go: the membership step shared by a scale-down and by a failed tail.
+
+A scale-down (``scale_down``) and letting go of a failed tail of scale-joined ranks
+(``tail_recovery``) end the same way, on one pass every active rank agreed on
+(``scale_progress``): experts move off the tail where they can, the expert location metadata
+shrinks to the staying ranks' slots (each rank keeps its number of physical slots, so layouts
+stay valid), the tail becomes inactive, Mooncake deactivates it in WORLD, DP attention shrinks,
+and the NIXL data plane is told the new size (it disconnects at the next dispatch). A released
+rank then takes no further part in any collective: when every rank of its ``launch_server``
+tree leaves (a scale-up joiner, a node above 0), it stops that server, which exits 0; a rank
+whose server keeps other ranks (node 0's tree) parks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from sglang_elastic_ep.sglang.expert_moves import move_experts_off_leaving_ranks
+from sglang_elastic_ep.sglang.upstream import expert_location_metadata, state_manager
+
+logger = logging.getLogger(__name__)
+
+
+def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
+                 move_experts: bool = True) -> None:
+    """Every active rank, on the same agreed pass: move experts, switch placement, then let
+    ranks ``target..`` go. Does not return on a released rank.
+
+    ``tell_tokenizer=False, move_experts=False`` when the tail failed rather than left
+    (tail_recovery): nothing can be read from dead ranks (that path checks beforehand that
+    the survivors hold every expert), and the HTTP process keeps its size and shows the slots
+    failed until their replacement joins."""
+    from mooncake.pg import deactivate_ranks
+    from sglang.srt.eplb.expert_distribution import (
+        ExpertDistributionRecorder,
+        set_global_expert_distribution_recorder,
+    )
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        set_global_expert_location_metadata,
+    )
+    from sglang.srt.runtime_context import get_context
+
+    manager = state_manager()
+    state = manager.instance()
+    old = state.effective_ep_size
+    rank = runner._elastic_global_rank()
+    leaving = list(range(target, old))
+    staying = rank < target
+    runner.forward_pass_id = 0
+
+    # 1. Experts: the staying ranks take every expert only the tail holds (weights move while
+    # the leaving ranks are still members); then the leaving ranks' slots leave the map.
+    state.scale_phase = "switching_placement"
+    if move_experts:
+        move_experts_off_leaving_ranks(runner, old, target)
+    metadata = expert_location_metadata()
+    if metadata is not None and staying:
+        slots = metadata.num_physical_experts // old
+        get_context().override("elastic_ep.scale_down", ep_size=target)
+        shrunk = ExpertLocationMetadata.init_by_mapping(
+            runner.model_config,
+            physical_to_logical_map=metadata.physical_to_logical_map[:, : slots * target].clone(),
+            moe_ep_rank=rank,
+        )
+        set_global_expert_location_metadata(shrunk, allow_overwrite=True)
+        set_global_expert_distribution_recorder(
+            ExpertDistributionRecorder.init_new(shrunk, rank=rank)
+        )
+
+    # 2. Ranks: inactive everywhere, then out of WORLD's collectives.
+    state.scale_phase = "releasing"
+    state.active_ranks[target:] = 0
+    state.snapshot_active_to_last()
+    state.sync_active_to_cpu()
+    answer = deactivate_ranks(dist.group.WORLD, leaving)
+    logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks(%s): %s, epoch %s", rank,
+                leaving, getattr(answer, "status", answer), getattr(answer, "new_epoch", "?"))
+    state.effective_ep_size = target
+    state.pending_ep_size = None
+    state.pending_since = None
+    state.has_scaled = True
+    state.scale_phase = "serving_contracted" if staying else "released"
+    if manager._on_scale is not None:  # the NIXL data plane (upstream sets it for nixl only)
+        from sglang_elastic_ep.sglang.nixl_buffer_hooks import mark_ranks_drained
+
+        # Agreed this pass: the leaving ranks hold no request, and every rank finished its
+        # last dispatch and combine before entering, so no token is in flight to them.
+        mark_ranks_drained(leaving)
+    manager.on_scale(old, target)  # NIXL: disconnect the tail at the next dispatch
+
+    if not staying:
+        logger.info("[elastic-ep] rank %d left (scale-down %d -> %d)", rank, old, target)
+        _leave(target)
+        return
+
+    from sglang.srt.elastic_ep.elastic_ep import update_dp_attention_for_elastic_ep
+    from sglang.srt.elastic_ep.topology import attn_replica_size, physical_ep_size_to_dp_size
+
+    update_dp_attention_for_elastic_ep(physical_ep_size=target, physical_ep_rank=rank)
+    if runner.eplb_manager is not None:
+        runner.eplb_manager.reset_generator()
+        runner._rearm_eplb_after_elastic_scale()
+    if rank == 0 and tell_tokenizer:
+        from sglang.srt.managers.io_struct import ElasticScaleUpdateReq
+
+        forget_cohorts(range(target, old))
+        runner._pending_elastic_scale_update = ElasticScaleUpdateReq(
+            success=True, effective_ep_size=target,
+            slot_offset=physical_ep_size_to_dp_size(target, attn_replica_size()), slot_count=0,
+        )
+        logger.info("[elastic-ep] Scale-down completed: old_ep_size=%d new_ep_size=%d "
+                    "released_ranks=%s", old, target, leaving)
+
+
+def forget_cohorts(offsets: range) -> None:
+    """Delete the scale cohorts registered for the freed slots (rank 0 only; the store is
+    shared). Upstream never deletes one: a joiner that left keeps its cohort (its target size)
+    in the store, and a later scale-up from that size then read the stale target and failed
+    with "does not match joining cohort target" before the new joiner registered."""
+    from sglang.srt.distributed.utils import get_global_tcp_store
+    from sglang.srt.elastic_ep.elastic_ep import _SCALE_COHORT_KEY_PREFIX
+
+    store = get_global_tcp_store()
+    if store is None:
+        return
+    for offset in offsets:
+        key = f"{_SCALE_COHORT_KEY_PREFIX}/{offset}"
+        if store.check([key]):
+            store.delete_key(key)
+
+
+def first_rank_of_server(*, is_joiner: bool, join_offset: int, node_rank: int,
+                         ranks_per_node: int) -> int:
+    """The lowest EP rank served by this process's ``launch_server`` tree."""
+    return join_offset if is_joiner else node_rank * ranks_per_node
+
+
+def _leave(target: int) -> None:
+    """A released rank takes part in no collective again. When every rank of its server
+    leaves (a scale-up joiner, a node above 0), the server is stopped with SIGTERM and exits 0;
+    otherwise (node 0's tree, or a server that keeps some ranks) the rank parks."""
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    parallel = get_parallel()
+    nnodes = max(1, int(getattr(parallel, "nnodes", 1) or 1))
+    first = first_rank_of_server(
+        is_joiner=bool(get_exec().moe.is_ep_joiner),
+        join_offset=int(parallel.ep_join_rank_offset or 0),
+        node_rank=int(parallel.node_rank or 0),
+        ranks_per_node=int(parallel.tp_size) // nnodes,
+    )
+    if first >= target and first > 0:
+        parent = os.getppid()
+        logger.info("[elastic-ep] every rank of this server leaves: stopping it (pid %d)", parent)
+        threading.Timer(0.5, os.kill, (parent, signal.SIGTERM)).start()
+    else:
+        logger.info("[elastic-ep] this server keeps other ranks; the released rank parks until "
+                    "the server stops")
+    while True:  # never return to the event loop (its next pass would run a collective)
+        time.sleep(3600)
+

@@ -1,0 +1,64 @@
+"""Look-ups of SGLang state shared by the adapter modules, in one place.
+
+Each function imports SGLang inside its body, so importing the adapter never loads SGLang's
+heavy modules; the functions themselves are cheap enough for the forward path. Modules import
+the names they use (``from ...upstream import state_manager``), so a test can replace a look-up
+for one module with ``monkeypatch.setattr(module, name, ...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def elastic_ep_enabled() -> bool:
+    """Whether this process serves with elastic EP (``--elastic-ep-backend`` was given).
+
+    False before SGLang published its config (unit tests, early imports). Cheap enough for the
+    forward path: a dict lookup and two attribute reads, and traceable by torch.compile.
+    """
+    from sglang.srt.runtime_context import get_context
+
+    ctx = get_context()
+    if not ctx.is_config_namespace_published("exec"):
+        return False
+    return ctx.config_bag("exec").moe.elastic_ep_backend is not None
+
+
+def state_manager() -> Any:
+    """Upstream's ``ElasticEPStateManager`` class (the per-process membership state's owner)."""
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+
+    return ElasticEPStateManager
+
+
+def elastic_state() -> Any:
+    """This process's ``ElasticEPState``; None until elastic EP set it up."""
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+
+    return ElasticEPStateManager.instance()
+
+
+def elastic_ep_module() -> Any:
+    """Upstream's ``sglang.srt.elastic_ep.elastic_ep`` module (recovery steps, broadcasts)."""
+    from sglang.srt.elastic_ep import elastic_ep
+
+    return elastic_ep
+
+
+def expert_location_metadata() -> Any:
+    """The global ``ExpertLocationMetadata`` (None before the model runner built it)."""
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    return get_global_expert_location_metadata()
+
+
+def lockstep_agreement_on(state: Any, parallel: Any) -> bool:
+    """The per-pass agreement runs where it costs nothing on the hot path: an elastic deployment
+    with room to grow whose membership state lives on the CPU (the CPU engine; one tiny host
+    all-reduce per pass). On GPUs the same all-reduce would add a device collective and a host
+    sync to every forward, so there upstream's behaviour is kept until the store-based agreement
+    (``core.agreement.RankAgreement``, no collective) is wired in."""
+    if state is None or state.active_ranks is None or state.active_ranks.device.type != "cpu":
+        return False
+    return bool(parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size)
