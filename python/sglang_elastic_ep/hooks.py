@@ -84,7 +84,7 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.scale_down:handle_scale_request", "AROUND",
          "a target below the effective size is a scale-down (upstream refuses it)"),
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager.forward_elastic_scale_update",
-         "sglang.http_adapter:apply_scale_update", "AROUND",
+         "sglang.tokenizer_hooks:apply_scale_update", "AROUND",
          "a committed scale-down shrinks the tokenizer's worker count (upstream only grows)"),
     Hook(f"{S}managers.scheduler_components.dp_attn._resolve_elastic_world_num_dp_ranks",
          "sglang.tail_recovery:world_gather_width", "AROUND",
@@ -111,13 +111,13 @@ HOOKS: tuple[Hook, ...] = (
          "a PUSH send to a dead joiner's slot blocks the DP controller (and all serving) "
          "forever; send non-blocking and drop, the tokenizer 503s what that shard held"),
     # --- orchestrator contract ---------------------------------------------------------
-    Hook(f"{S}entrypoints.http_server.set_global_state", "sglang.http_adapter:mount_on_server",
+    Hook(f"{S}entrypoints.http_server.set_global_state", "sglang.server_mount:mount_on_server",
          "AFTER",
          "mounts operation ids, status, SSE events, health on the app (elastic EP only)"),
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager.update_active_ranks",
-         "sglang.http_adapter:mirror_active_ranks", "AFTER",
+         "sglang.tokenizer_hooks:mirror_active_ranks", "AFTER",
          "shard liveness -> rank_failed/rank_recovered; a dead shard's requests end with 503"),
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager._dispatch_to_scheduler",
-         "sglang.http_adapter:route_to_live_shard", "BEFORE",
+         "sglang.tokenizer_hooks:route_to_live_shard", "BEFORE",
          "route round-robin in the tokenizer, which then knows the requests a dead shard held"),
 )

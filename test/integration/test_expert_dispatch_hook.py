@@ -290,17 +290,18 @@ def test_collapsed_lists_still_route_to_replicas_on_other_ranks(sgl: dict[str, A
 
 
 def test_a_blocked_rank_loses_the_experts_that_have_replicas_and_keeps_the_rest(
-    sgl: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    sgl: dict[str, Any],
 ) -> None:
     """Rank 1 is blocked for slow experts (alive): in layer 0 its experts 3 and 4 move to their
     replicas on ranks 2 and 3; expert 5 lives only there, so its tokens still go to rank 1
     (slow beats dropped)."""
-    from sglang_elastic_ep.sglang import expert_health
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
 
-    monkeypatch.setattr(expert_health, "_blocked_mask", 1 << 1)
-    monkeypatch.setattr(expert_health, "_keep", None)
+    from sglang_elastic_ep.sglang.expert_health import expert_health_state
+
     ids = routing(300, seed=6)
     with serving(sgl, "on", mask()) as metadata:
+        expert_health_state(ElasticEPStateManager.instance()).block(1 << 1)
         info = collapsed_static_info(metadata, 0, ep_rank=1)
         got = installed_hook()(ids, info)
     valid = ids >= 0

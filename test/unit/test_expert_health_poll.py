@@ -10,7 +10,7 @@ import pytest
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
 from sglang_elastic_ep.core.health import HealthConfig
 from sglang_elastic_ep.core.validation import ScaleTopology
-from sglang_elastic_ep.sglang import http_adapter
+from sglang_elastic_ep.sglang.background_pollers import ExpertHealthPoller
 from sglang_elastic_ep.sglang.expert_health import BLOCKED_RANKS_KEY, REPORT_KEY
 
 FAST_NS, SLOW_NS = 100_000, 3_000_000
@@ -49,9 +49,11 @@ def _plane(checks: int) -> InProcessControlPlane:
 
 
 def _poll(tm: FakeTokenizerManager, plane: InProcessControlPlane, times: int) -> None:
+    poller = ExpertHealthPoller(tm, plane)
+
     async def run() -> None:
         for _ in range(times):
-            await http_adapter.poll_expert_health(tm, plane)
+            await poller.poll()
 
     asyncio.run(run())
 
@@ -85,7 +87,7 @@ def test_a_slow_rank_with_the_last_replica_is_reported_but_not_blocked() -> None
 def test_no_report_means_no_check() -> None:
     plane = _plane(checks=1)
     tm = SimpleNamespace(get_internal_state=lambda: _async([{"x": 1}]))
-    asyncio.run(http_adapter.poll_expert_health(tm, plane))
+    asyncio.run(ExpertHealthPoller(tm, plane).poll())
     assert plane.health().checks == 0
 
 

@@ -48,13 +48,23 @@ def test_runner_reports_each_expert_that_had_rows() -> None:
     assert calls == [(0, 2), (2, 4)]
 
 
-def test_blocked_ranks_are_cleared_from_the_routing_mask(monkeypatch) -> None:
-    from sglang_elastic_ep.sglang import expert_health
+def test_blocked_ranks_are_cleared_from_the_routing_mask() -> None:
+    from sglang_elastic_ep.sglang.expert_health import ExpertHealthState
 
     active = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
-    monkeypatch.setattr(expert_health, "_blocked_mask", 0)
-    monkeypatch.setattr(expert_health, "_keep", None)
-    assert expert_health.routable_ranks(active) is active  # nothing blocked: no extra op
-    monkeypatch.setattr(expert_health, "_blocked_mask", 0b0100)
-    assert expert_health.routable_ranks(active).tolist() == [1, 1, 0, 0]
-    assert expert_health.blocked_ranks() == [2]
+    health = ExpertHealthState()
+    assert health.routable_ranks(active) is active  # nothing blocked: no extra op
+    assert health.block(0b0100) and not health.block(0b0100)  # a repeat changes nothing
+    assert health.routable_ranks(active).tolist() == [1, 1, 0, 0]
+    assert health.blocked_ranks() == [2]
+    assert health.block(0) and health.routable_ranks(active) is active
+
+
+def test_one_expert_health_state_per_elastic_ep_state() -> None:
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep.sglang.expert_health import expert_health_state
+
+    state = SimpleNamespace()
+    assert expert_health_state(state) is expert_health_state(state)
+    assert expert_health_state(SimpleNamespace()) is not expert_health_state(state)

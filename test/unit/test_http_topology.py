@@ -7,7 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_elastic_ep.sglang.http_adapter import topology_from_args
+from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.sglang import tokenizer_hooks
+from sglang_elastic_ep.sglang.http_state import HttpAdapterState, attach_adapter_state
+from sglang_elastic_ep.sglang.server_mount import topology_from_args
+from sglang_elastic_ep.sglang.upstream_engine import UpstreamEngine
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 pytestmark = pytest.mark.usefixtures("fake_io_struct")
@@ -34,59 +38,55 @@ def test_the_tokenizer_managers_replica_size_wins_over_server_args() -> None:
     assert ep_size == 2 and topology.attn_replica_size == 1
 
 
-def test_liveness_reports_act_only_on_a_change(monkeypatch) -> None:
+def test_liveness_reports_act_only_on_a_change() -> None:
     """Schedulers report after every batch; a repeat of the same view does nothing."""
     from sglang_elastic_ep.api.control_plane import InProcessControlPlane
     from sglang_elastic_ep.core.validation import ScaleTopology
-    from sglang_elastic_ep.sglang import http_adapter
 
     plane = InProcessControlPlane(
         topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=2
     )
-    monkeypatch.setattr(http_adapter, "_plane", plane)
-    monkeypatch.setattr(http_adapter, "_last_status", None)
-    monkeypatch.setattr(http_adapter, "_router", http_adapter.LiveShardRouter())
     tm = SimpleNamespace(attn_replica_size=1, rid_to_state={})
+    status = SimpleNamespace(status=[True, False, False])
+    tokenizer_hooks.mirror_active_ranks(None, tm, status)  # not mounted: nothing happens
+    assert plane.health().checks == 0
+    attach_adapter_state(tm, HttpAdapterState(plane=plane))
     for _ in range(3):
-        http_adapter.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, False, False]))
+        tokenizer_hooks.mirror_active_ranks(None, tm, status)
     assert plane.health().checks == 1
     assert [e.type for e in plane.events.since(0).events] == ["rank_failed", "recovery_required"]
-    http_adapter.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
+    tokenizer_hooks.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
     assert plane.events.since(0).events[-1].type == "rank_recovered"
 
 
-def test_a_leaving_shard_going_inactive_is_no_failure_and_drain_stragglers_end_with_503(
-    monkeypatch,
-) -> None:
+def test_a_leaving_shard_going_inactive_is_no_failure_and_drain_stragglers_end_with_503() -> None:
     """During a scale-down 3 -> 2 the released shard 2 reports inactive: no rank_failed, and
     nothing it ran counts as lost. Requests still running there at the drain timeout end with
     503 and a reason; finished ones are left alone."""
     from sglang_elastic_ep.api.control_plane import InProcessControlPlane
     from sglang_elastic_ep.core.api_models import ScaleRequest
     from sglang_elastic_ep.core.validation import ScaleTopology
-    from sglang_elastic_ep.sglang import http_adapter
 
     plane = InProcessControlPlane(
         topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=3
     )
     asyncio.run(plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="shrink")))
-    router = http_adapter.LiveShardRouter()
-    monkeypatch.setattr(http_adapter, "_plane", plane)
-    monkeypatch.setattr(http_adapter, "_last_status", None)
-    monkeypatch.setattr(http_adapter, "_router", router)
+    adapter = HttpAdapterState(plane=plane)
+    router = adapter.router
     aborted: list[object] = []
     tm = SimpleNamespace(attn_replica_size=1, rid_to_state={"slow": object()},
                          server_args=SimpleNamespace(elastic_ep_drain_timeout=7.0),
                          _handle_abort_req=aborted.append)
+    attach_adapter_state(tm, adapter)
     router.track(2, "done", tm.rid_to_state)
     router.track(2, "slow", tm.rid_to_state)
     router.leaving = frozenset({2})
 
-    http_adapter.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
+    tokenizer_hooks.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
     assert [e.type for e in plane.events.since(0).events] == ["scale_requested"]
     assert aborted == []
 
-    engine = http_adapter.UpstreamEngine(tm, [plane])
+    engine = UpstreamEngine(tm, adapter)
     assert engine._end_drain_stragglers(frozenset({2})) == 1
     (abort,) = aborted
     assert abort.rid == "slow" and abort.finished_reason["status_code"] == 503
@@ -102,7 +102,7 @@ class FakeTokenizerManager:
         self.fan_outs: list[int] = []
         self.asked: list[int] = []
         self.answer = answer
-        self.phase = "serving_expanded"
+        self.phase = Phase.SERVING_EXPANDED.value
         self.rid_to_state: dict[str, object] = {}
         self.server_args = SimpleNamespace(elastic_ep_drain_timeout=120.0)
 
@@ -112,7 +112,7 @@ class FakeTokenizerManager:
     async def scale_elastic_ep(self, obj: object) -> object:
         self.asked.append(obj.new_ep_size)
         if self.answer.success:  # rank 0 reports the commit right after
-            self.phase = "serving_contracted"
+            self.phase = Phase.SERVING_CONTRACTED.value
         return self.answer
 
     def get_elastic_ep_state(self) -> dict:
@@ -123,14 +123,13 @@ def _removal(answer: object) -> tuple[object, FakeTokenizerManager, object]:
     from sglang_elastic_ep.api.control_plane import InProcessControlPlane
     from sglang_elastic_ep.core.api_models import ScaleRequest
     from sglang_elastic_ep.core.validation import ScaleTopology
-    from sglang_elastic_ep.sglang import http_adapter
 
     plane = InProcessControlPlane(
         topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=3
     )
     plane.report_rank_failed([2], "process exited")
     tm = FakeTokenizerManager(answer)
-    plane._engine = http_adapter.UpstreamEngine(tm, [plane])
+    plane._engine = UpstreamEngine(tm, HttpAdapterState(plane=plane))
 
     async def remove() -> object:
         result = await plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="cut"))
@@ -165,3 +164,24 @@ def test_a_refused_removal_changes_nothing() -> None:
     assert tm.fan_outs == [2, 3]  # restored
     status = plane.status()
     assert status.effective_ep_size == 3 and status.ranks[2].state.value == "failed"
+
+
+def test_control_plane_is_the_one_mounted_on_the_servers_tokenizer_manager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+    from types import ModuleType
+
+    from sglang_elastic_ep.sglang.http_state import control_plane
+
+    name = "sglang.srt.entrypoints.http_server"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert control_plane() is None  # no HTTP server in this process
+    tm = SimpleNamespace()
+    server = ModuleType(name)
+    server.get_global_state = lambda: SimpleNamespace(tokenizer_manager=tm)
+    monkeypatch.setitem(sys.modules, name, server)
+    assert control_plane() is None  # elastic EP off: nothing mounted
+    plane = object()
+    attach_adapter_state(tm, HttpAdapterState(plane=plane))
+    assert control_plane() is plane

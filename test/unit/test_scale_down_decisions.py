@@ -8,7 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_elastic_ep.sglang import scale_down
-from sglang_elastic_ep.sglang.scale_down import holds_no_request, is_shrink, ready_to_shrink
+from sglang_elastic_ep.sglang.scale_down import (
+    ScaleDownState,
+    holds_no_request,
+    is_shrink,
+    scale_down_state,
+)
 
 
 class Batch:
@@ -24,12 +29,6 @@ def scheduler(running: int = 0, waiting: int = 0, chunked: object = None) -> Sim
                            chunked_req=chunked)
 
 
-@pytest.fixture(autouse=True)
-def fresh_module_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scale_down, "_scheduler", None)
-    monkeypatch.setattr(scale_down, "_drain_confirmed", False)
-
-
 def test_a_scheduler_holds_no_request_only_when_nothing_runs_waits_or_is_chunked() -> None:
     assert holds_no_request(scheduler())
     assert not holds_no_request(scheduler(running=1))
@@ -37,26 +36,33 @@ def test_a_scheduler_holds_no_request_only_when_nothing_runs_waits_or_is_chunked
     assert not holds_no_request(scheduler(chunked=object()))
 
 
-def test_staying_ranks_are_ready_at_once_leaving_ones_after_a_confirmed_drain(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_staying_ranks_are_ready_at_once_leaving_ones_after_a_confirmed_drain() -> None:
     state = SimpleNamespace(pending_ep_size=2, effective_ep_size=3)
+    down = ScaleDownState()
     assert is_shrink(state)
-    assert ready_to_shrink(state, rank=0) == 2 and ready_to_shrink(state, rank=1) == 2
+    assert down.ready_to_shrink(state, rank=0) == 2 and down.ready_to_shrink(state, rank=1) == 2
     # Leaving rank 2: empty scheduler, but the HTTP process has not confirmed the drain (a
     # request it routed there may still be on its way).
-    monkeypatch.setattr(scale_down, "_scheduler", scheduler())
-    assert ready_to_shrink(state, rank=2) == 0
-    monkeypatch.setattr(scale_down, "_drain_confirmed", True)
-    assert ready_to_shrink(state, rank=2) == 2
-    monkeypatch.setattr(scale_down, "_scheduler", scheduler(running=1))
-    assert ready_to_shrink(state, rank=2) == 0  # confirmed, but still finishing one
+    down.scheduler = scheduler()
+    assert down.ready_to_shrink(state, rank=2) == 0
+    down.drain_confirmed = True
+    assert down.ready_to_shrink(state, rank=2) == 2
+    down.scheduler = scheduler(running=1)
+    assert down.ready_to_shrink(state, rank=2) == 0  # confirmed, but still finishing one
 
 
 def test_no_shrink_pending_means_nothing_to_be_ready_for() -> None:
     assert not is_shrink(SimpleNamespace(pending_ep_size=None, effective_ep_size=3))
     assert not is_shrink(SimpleNamespace(pending_ep_size=4, effective_ep_size=3))  # a scale-up
-    assert ready_to_shrink(SimpleNamespace(pending_ep_size=None, effective_ep_size=3), 2) == 0
+    idle = SimpleNamespace(pending_ep_size=None, effective_ep_size=3)
+    assert ScaleDownState().ready_to_shrink(idle, 2) == 0
+
+
+def test_one_scale_down_state_per_elastic_ep_state() -> None:
+    state = SimpleNamespace(pending_ep_size=None, effective_ep_size=3)
+    down = scale_down_state(state)
+    assert scale_down_state(state) is down
+    assert scale_down_state(SimpleNamespace()) is not down
 
 
 def test_the_idle_step_runs_only_when_no_rank_has_a_batch(
@@ -92,17 +98,15 @@ def test_a_server_is_stopped_only_when_every_one_of_its_ranks_leaves() -> None:
     assert first_rank_of_server(is_joiner=False, join_offset=0, node_rank=0, ranks_per_node=2) == 0
 
 
-def test_a_drain_confirmation_read_after_the_commit_is_recognised(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_drain_confirmation_read_after_the_commit_is_recognised() -> None:
     committed = SimpleNamespace(pending_ep_size=None, effective_ep_size=2)
-    monkeypatch.setattr(scale_down, "_committed_shrink", 2)
-    assert scale_down.is_late_drain_confirmation(committed, 2)
-    assert not scale_down.is_late_drain_confirmation(committed, 1)  # a new request: not late
+    down = ScaleDownState(committed_shrink=2)
+    assert down.is_late_drain_confirmation(committed, 2)
+    assert not down.is_late_drain_confirmation(committed, 1)  # a new request: not late
     pending = SimpleNamespace(pending_ep_size=2, effective_ep_size=3)
-    assert not scale_down.is_late_drain_confirmation(pending, 2)  # still draining
-    monkeypatch.setattr(scale_down, "_committed_shrink", None)
-    assert not scale_down.is_late_drain_confirmation(committed, 2)  # no shrink committed
+    assert not down.is_late_drain_confirmation(pending, 2)  # still draining
+    down.committed_shrink = None
+    assert not down.is_late_drain_confirmation(committed, 2)  # no shrink committed
 
 
 def test_a_shrink_below_two_attention_dp_ranks_is_refused() -> None:

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import tail_recovery
+from sglang_elastic_ep.sglang.upstream import RECOVERY_UNSUPPORTED
 
 
 class FakeManager:
@@ -20,7 +22,7 @@ class FakeManager:
 
     def fail_recovery(self, error: str) -> None:
         self.failed.append(error)
-        self.state.scale_phase = "recovery_unsupported"
+        self.state.scale_phase = RECOVERY_UNSUPPORTED
 
 
 def state(active: list[int], effective: int, launch: int = 2, **kw: object) -> SimpleNamespace:
@@ -28,7 +30,7 @@ def state(active: list[int], effective: int, launch: int = 2, **kw: object) -> S
     return SimpleNamespace(active_ranks=mask, active_ranks_cpu=mask.clone(),
                            effective_ep_size=effective, original_ep_size=launch,
                            pending_ep_size=kw.get("pending"), has_scaled=True,
-                           scale_phase="serving_expanded")
+                           scale_phase=Phase.SERVING_EXPANDED.value)
 
 
 @pytest.fixture
@@ -41,7 +43,6 @@ def wired(monkeypatch: pytest.MonkeyPatch):
         reports: list[tuple] = []
         metadata = SimpleNamespace(physical_to_logical_map=torch.tensor([p2l]))
         monkeypatch.setattr(tail_recovery, "state_manager", lambda: manager)
-        monkeypatch.setattr(tail_recovery, "_reported", set())
         monkeypatch.setattr(expert_location, "get_global_expert_location_metadata",
                             lambda: metadata)
         runner = SimpleNamespace(_report_elastic_scale_failure=lambda *a: reports.append(a))
@@ -98,3 +99,16 @@ def test_the_gather_keeps_its_width_only_when_world_lost_a_member(
     monkeypatch.setattr(tail_recovery.dist, "get_world_size", lambda group: 3)
     with pytest.raises(RuntimeError, match="exceeds"):
         tail_recovery.world_gather_width(upstream, 3, group=object())
+
+
+def test_the_size_to_return_to_is_kept_until_it_is_back() -> None:
+    st = SimpleNamespace(pending_ep_size=None, effective_ep_size=2)
+    recovery = tail_recovery.tail_recovery_state(st)
+    assert tail_recovery.tail_recovery_state(st) is recovery
+    recovery.return_to = 3
+    tail_recovery.note_committed(st)
+    assert recovery.return_to == 3  # still serving without the replacement
+    st.effective_ep_size = 3
+    tail_recovery.note_committed(st)
+    assert recovery.return_to is None
+    assert tail_recovery.tail_recovery_state(SimpleNamespace()).return_to is None

@@ -31,6 +31,9 @@ class Phase(str, enum.Enum):
     REJOINING = "rejoining"
     RESTORING_EXPERTS = "restoring_experts"
     SERVING_RECOVERED = "serving_recovered"
+    # Recovery of a failed tail of scale-joined ranks: the survivors let go of its slots and
+    # serve on fewer ranks until a replacement joins (sglang/tail_recovery.py).
+    AWAITING_REPLACEMENT = "awaiting_replacement"
 
 
 class Role(str, enum.Enum):

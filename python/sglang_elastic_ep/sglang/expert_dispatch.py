@@ -107,16 +107,17 @@ def _route_live(topk_ids: torch.Tensor, physical: torch.Tensor, info: Any) -> to
     slot_to_rank = _slot_to_rank(
         info.num_physical_experts, metadata.num_local_physical_experts, device, capturing
     )
+    health = expert_health.expert_health_state(state)
     routed = route_around_inactive_ranks(
         topk_ids,
         physical,
         table[:, :width],
         counts,
         slot_to_rank,
-        expert_health.routable_ranks(state.active_ranks),  # slow ranks blocked like dead ones
+        health.routable_ranks(state.active_ranks),  # slow ranks blocked like dead ones
         dropped_counter=_dropped_counter(device, capturing),
     )
-    if expert_health.blocked_ranks():
+    if health.blocked_mask:
         # A blocked rank is slow, not dead: where its expert has no replica elsewhere, keep
         # the pick (slow beats dropped). Only while ranks are blocked; never on GPUs today.
         live = route_around_inactive_ranks(

@@ -17,20 +17,71 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sglang_elastic_ep.sglang.upstream import expert_location_metadata
+from sglang_elastic_ep.sglang.upstream import elastic_state, expert_location_metadata
 
 logger = logging.getLogger(__name__)
 
 BLOCKED_RANKS_KEY = "elastic_ep_blocked_ranks_mask"
 REPORT_KEY = "elastic_ep_experts"
 
-_gathered: tuple[int, list[int]] | None = None  # (local slots, ns per row + rows)
-_blocked_mask = 0
-_keep: torch.Tensor | None = None  # 1 where a rank is not blocked (device copy of the mask)
+
+@dataclass
+class ExpertHealthState:
+    """This scheduler process's expert timings and blocked ranks (one per process:
+    ``expert_health_state``)."""
+
+    gathered: tuple[int, list[int]] | None = None  # (local slots, ns per row + rows)
+    blocked_mask: int = 0  # bit r set: rank r is blocked for slow experts
+    keep: torch.Tensor | None = None  # 1 where a rank is not blocked (device copy of the mask)
+
+    def take_gathered(self, values: list[int]) -> None:
+        """The reduced vector (every rank's share): kept for rank 0's report."""
+        metadata = expert_location_metadata()
+        if metadata is not None and values:
+            self.gathered = (int(metadata.num_local_physical_experts), values)
+
+    def block(self, mask: int) -> bool:
+        """Block the ranks set in ``mask`` (and only those); False when nothing changed."""
+        if mask == self.blocked_mask:
+            return False
+        self.blocked_mask = mask
+        self.keep = None
+        return True
+
+    def blocked_ranks(self) -> list[int]:
+        return [r for r in range(64) if self.blocked_mask >> r & 1]
+
+    def routable_ranks(self, active_ranks: torch.Tensor) -> torch.Tensor:
+        """``active_ranks`` with blocked ranks cleared (``active_ranks`` itself when none is)."""
+        if not self.blocked_mask:
+            return active_ranks
+        keep = self.keep
+        if keep is None or keep.device != active_ranks.device \
+                or keep.numel() != active_ranks.numel():
+            mask = self.blocked_mask
+            flags = [0 if mask >> r & 1 else 1 for r in range(active_ranks.numel())]
+            keep = torch.tensor(flags, dtype=active_ranks.dtype, device=active_ranks.device)
+            self.keep = keep
+        return active_ranks * keep
+
+
+_STATE_ATTR = "_elastic_ep_expert_health"
+
+
+def expert_health_state(state: Any) -> ExpertHealthState:
+    """The expert health kept on upstream's per-process ``ElasticEPState`` ``state``: the
+    expert dispatch, which receives neither scheduler nor model runner, reaches it there as
+    the scheduler hooks do; built on first use."""
+    health = getattr(state, _STATE_ATTR, None)
+    if health is None:
+        health = ExpertHealthState()
+        setattr(state, _STATE_ATTR, health)
+    return health
 
 
 def local_contribution(rank: int, max_ep_size: int) -> list[int]:
@@ -51,19 +102,15 @@ def local_contribution(rank: int, max_ep_size: int) -> list[int]:
     return ns + rows
 
 
-def take_gathered(values: list[int]) -> None:
-    """The reduced vector (every rank's share): kept for rank 0's report."""
-    global _gathered
-    metadata = expert_location_metadata()
-    if metadata is not None and values:
-        _gathered = (int(metadata.num_local_physical_experts), values)
-
-
 def add_report(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``Scheduler.get_internal_state``: rank 0's answer carries the gathered timings."""
-    if _gathered is None or not isinstance(getattr(result, "internal_state", None), dict):
+    state = elastic_state()
+    if state is None or not isinstance(getattr(result, "internal_state", None), dict):
         return
-    local, values = _gathered
+    health = expert_health_state(state)
+    if health.gathered is None:
+        return
+    local, values = health.gathered
     half = len(values) // 2
     metadata = expert_location_metadata()
     p2l = [] if metadata is None else metadata.physical_to_logical_map[0].tolist()
@@ -72,41 +119,26 @@ def add_report(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         "ns_per_row": values[:half],
         "rows": values[half:],
         "physical_to_logical": p2l,
-        "blocked_ranks_mask": _blocked_mask,
+        "blocked_ranks_mask": health.blocked_mask,
     }
 
 
 def take_blocked_ranks(original: Any, scheduler: Any, recv_req: Any) -> Any:
     """AROUND ``Scheduler.set_internal_state``: our key sets the blocked ranks; the rest (if
     any) is upstream's."""
-    global _blocked_mask, _keep
     args = getattr(recv_req, "server_args", None)
     if not isinstance(args, dict) or BLOCKED_RANKS_KEY not in args:
         return original(scheduler, recv_req)
     mask = int(args.pop(BLOCKED_RANKS_KEY))
-    if mask != _blocked_mask:
-        _blocked_mask = mask
-        _keep = None
-        logger.warning("[elastic-ep] experts of ranks %s blocked (slow): their tokens go to "
-                       "replicas on other ranks", blocked_ranks())
+    state = elastic_state()
+    # Without elastic EP state there is no dispatch to block in: only the key is taken.
+    if state is not None:
+        health = expert_health_state(state)
+        if health.block(mask):
+            logger.warning("[elastic-ep] experts of ranks %s blocked (slow): their tokens go "
+                           "to replicas on other ranks", health.blocked_ranks())
     if args:
         return original(scheduler, recv_req)
     from sglang.srt.managers.io_struct import SetInternalStateReqOutput
 
     return SetInternalStateReqOutput(updated=True)
-
-
-def blocked_ranks() -> list[int]:
-    return [r for r in range(64) if _blocked_mask >> r & 1]
-
-
-def routable_ranks(active_ranks: torch.Tensor) -> torch.Tensor:
-    """``active_ranks`` with blocked ranks cleared (``active_ranks`` itself when none is)."""
-    global _keep
-    if not _blocked_mask:
-        return active_ranks
-    if _keep is None or _keep.device != active_ranks.device \
-            or _keep.numel() != active_ranks.numel():
-        keep = [0 if _blocked_mask >> r & 1 else 1 for r in range(active_ranks.numel())]
-        _keep = torch.tensor(keep, dtype=active_ranks.dtype, device=active_ranks.device)
-    return active_ranks * _keep

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
 from sglang_elastic_ep.sglang.tail_release import release_tail
@@ -34,9 +36,47 @@ from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on, state_manag
 
 logger = logging.getLogger(__name__)
 
-_scheduler: Any = None  # this process's scheduler, for the drain check in the agreement step
-_drain_confirmed = False  # the HTTP process saw every request it routed to leaving shards end
-_committed_shrink: int | None = None  # the size the last scale-down committed to
+
+@dataclass
+class ScaleDownState:
+    """This scheduler process's side of a scale-down (one per process: ``scale_down_state``)."""
+
+    scheduler: Any = None  # this process's scheduler, for the drain check in the agreement step
+    drain_confirmed: bool = False  # the HTTP process saw every request routed to leaving shards end
+    committed_shrink: int | None = None  # the size the last scale-down committed to
+
+    def ready_to_shrink(self, state: Any, rank: int) -> int:
+        """The shrink target when this rank can enter the commit now, else 0: staying ranks at
+        once, a leaving rank once the HTTP process confirmed the drain (no request of its is on
+        the way) and its scheduler holds no request."""
+        target = state.pending_ep_size or 0
+        if not target or rank < target:
+            return target
+        drained = (self.drain_confirmed and self.scheduler is not None
+                   and holds_no_request(self.scheduler))
+        return target if drained else 0
+
+    def is_late_drain_confirmation(self, state: Any, new_ep_size: int) -> bool:
+        """The HTTP process's drain confirmation reached this scheduler only after the commit.
+        Staying ranks are ready at once and the leaving ones as soon as they read it, so the
+        commit can run before a staying rank has read the same message from its socket. Seen:
+        the late confirmation was taken for a new request to the current size, refused, and the
+        committed scale-down was reported failed."""
+        return (state.pending_ep_size is None and self.committed_shrink == new_ep_size
+                and state.effective_ep_size == new_ep_size)
+
+
+_STATE_ATTR = "_elastic_ep_scale_down"
+
+
+def scale_down_state(state: Any) -> ScaleDownState:
+    """The scale-down state kept on upstream's ``ElasticEPState`` ``state`` (one per scheduler
+    process, whichever model runner runs the per-pass step); built on first use."""
+    down = getattr(state, _STATE_ATTR, None)
+    if down is None:
+        down = ScaleDownState()
+        setattr(state, _STATE_ATTR, down)
+    return down
 
 
 def refusal(state: Any, new_ep_size: int) -> str | None:
@@ -75,54 +115,45 @@ def too_few_dp_ranks(attn_dp_enabled: bool, new_ep_size: int, replica: int) -> s
     return None
 
 
-def is_late_drain_confirmation(state: Any, new_ep_size: int) -> bool:
-    """The HTTP process's drain confirmation reached this scheduler only after the commit.
-    Staying ranks are ready at once and the leaving ones as soon as they read it, so the
-    commit can run before a staying rank has read the same message from its socket. Seen: the
-    late confirmation was taken for a new request to the current size, refused, and the
-    committed scale-down was reported failed."""
-    return (state.pending_ep_size is None and _committed_shrink == new_ep_size
-            and state.effective_ep_size == new_ep_size)
-
-
 def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     """AROUND ``Scheduler.handle_scale_elastic_ep``: a target below the effective size is a
     scale-down (upstream refuses those); anything else is upstream's scale-up."""
-    global _scheduler, _drain_confirmed, _committed_shrink
-    _scheduler = scheduler
-    manager = state_manager()
-    state = manager.instance()
+    state = state_manager().instance()
+    if state is None:  # elastic EP not set up: nothing of ours applies
+        return original(scheduler, recv_req)
+    down = scale_down_state(state)
+    down.scheduler = scheduler
     new = int(recv_req.new_ep_size)
-    if state is not None and new == state.effective_ep_size \
-            and tail_recovery.awaiting_replacement() is not None:
+    if new == state.effective_ep_size \
+            and tail_recovery.tail_recovery_state(state).return_to is not None:
         return tail_recovery.remove_failed_slots(scheduler, state, new)
     from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
 
-    if state is not None and is_late_drain_confirmation(state, new):
+    if down.is_late_drain_confirmation(state, new):
         return ScaleElasticEPReqOutput(
             success=True, message=f"scale-down to {new} already committed", old_ep_size=new,
             new_ep_size=new, scale_phase=state.scale_phase,
         )
-    if state is None or new >= state.effective_ep_size:
+    if new >= state.effective_ep_size:
         return original(scheduler, recv_req)
 
     old = state.effective_ep_size
-    if state.pending_ep_size == new and state.scale_phase == "draining":
+    if state.pending_ep_size == new and state.scale_phase == Phase.DRAINING.value:
         # The HTTP process's second message: every request it routed to the leaving shards
         # has finished (or was ended at the drain timeout), so none is still on its way here.
-        _drain_confirmed = True
+        down.drain_confirmed = True
         return ScaleElasticEPReqOutput(
             success=True, message=f"drain of ranks {new}..{old - 1} confirmed",
-            old_ep_size=old, new_ep_size=new, pending_ep_size=new, scale_phase="draining",
+            old_ep_size=old, new_ep_size=new, pending_ep_size=new, scale_phase=Phase.DRAINING.value,
         )
     error = refusal(state, new)
     if error is not None:
         return ScaleElasticEPReqOutput(success=False, message=error, old_ep_size=old,
                                        new_ep_size=new, scale_phase=state.scale_phase)
-    _drain_confirmed = False
-    _committed_shrink = None
+    down.drain_confirmed = False
+    down.committed_shrink = None
     state.pending_ep_size = new
-    state.scale_phase = "draining"
+    state.scale_phase = Phase.DRAINING.value
     state.last_error = None
     state.pending_since = time.monotonic()
     eplb = scheduler.tp_worker.model_runner.eplb_manager
@@ -132,7 +163,7 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
                 old, new, list(range(new, old)))
     return ScaleElasticEPReqOutput(
         success=True, message=f"Scaling down from {old} to {new}: draining ranks {new}..{old - 1}",
-        old_ep_size=old, new_ep_size=new, pending_ep_size=new, scale_phase="draining",
+        old_ep_size=old, new_ep_size=new, pending_ep_size=new, scale_phase=Phase.DRAINING.value,
     )
 
 
@@ -145,25 +176,14 @@ def holds_no_request(scheduler: Any) -> bool:
     )
 
 
-def ready_to_shrink(state: Any, rank: int) -> int:
-    """The shrink target when this rank can enter the commit now, else 0: staying ranks at
-    once, a leaving rank once the HTTP process confirmed the drain (no request of its is on
-    the way) and its scheduler holds no request."""
-    target = state.pending_ep_size or 0
-    if not target or rank < target:
-        return target
-    drained = _drain_confirmed and _scheduler is not None and holds_no_request(_scheduler)
-    return target if drained else 0
-
-
 def finalize_scale_down(runner: Any, target: int) -> None:
     """Every active rank, on the same agreed pass: commit the scale-down
     (:func:`~sglang_elastic_ep.sglang.tail_release.release_tail`) and remember its size, so a
-    drain confirmation read after the commit is recognised (``is_late_drain_confirmation``)."""
-    global _committed_shrink
+    drain confirmation read after the commit is recognised
+    (``ScaleDownState.is_late_drain_confirmation``)."""
     # Set first: on a leaving rank the release never returns. The late-confirmation check
     # also requires the state to show the new size, which only the release sets.
-    _committed_shrink = target
+    scale_down_state(state_manager().instance()).committed_shrink = target
     release_tail(runner, target)
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
 from sglang_elastic_ep.sglang import expert_health, tail_recovery
-from sglang_elastic_ep.sglang.scale_down import finalize_scale_down, is_shrink, ready_to_shrink
+from sglang_elastic_ep.sglang.scale_down import finalize_scale_down, is_shrink, scale_down_state
 from sglang_elastic_ep.sglang.upstream import elastic_state, lockstep_agreement_on
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     if let_go:  # every survivor is ready as soon as it sees the failure
         target = ready = let_go
     elif shrinking:  # a scale-down: leaving ranks are ready once they hold no request
-        ready = ready_to_shrink(state, runner._elastic_global_rank())
+        ready = scale_down_state(state).ready_to_shrink(state, runner._elastic_global_rank())
     else:
         ready = _ready_target(state, target)
     skew = readiness_skew(runner)
@@ -171,7 +171,7 @@ def agreed_join_step(original: Any, runner: Any) -> None:
                                                int(state.active_ranks.numel()))
     reduced = torch.tensor([ready, -ready, target, *timings], dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-    expert_health.take_gathered(reduced[3:].tolist())
+    expert_health.expert_health_state(state).take_gathered(reduced[3:].tolist())
     verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
     if verdict is LockstepVerdict.WAIT:
         return None

@@ -24,33 +24,53 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from sglang_elastic_ep.core.membership import failed_tail
+from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
-from sglang_elastic_ep.sglang.upstream import expert_location_metadata, state_manager
+from sglang_elastic_ep.sglang.upstream import (
+    RECOVERY_UNSUPPORTED,
+    expert_location_metadata,
+    state_manager,
+)
 
 logger = logging.getLogger(__name__)
 
 COHORT_CHECK_INTERVAL_S = 0.5  # a store round trip; the replacement takes a minute to start
 
-_return_to: int | None = None  # the size to grow back to once a replacement registers
-_next_cohort_check = 0.0
-_reported: set[str] = set()
+
+@dataclass
+class TailRecoveryState:
+    """This scheduler process's side of a failed tail's recovery (one per process:
+    ``tail_recovery_state``)."""
+
+    # The size to grow back to once the failed slots' replacement registers (None: none awaited).
+    return_to: int | None = None
+    next_cohort_check: float = 0.0  # monotonic time of the next store look-up
+    reported: set[str] = field(default_factory=set)  # errors already logged (each once)
+
+    def report_once(self, message: str) -> None:
+        if message not in self.reported:
+            self.reported.add(message)
+            logger.error("[elastic-ep] %s", message)
 
 
-def awaiting_replacement() -> int | None:
-    """The size this rank returns to once the failed slots' replacement joins (None: none)."""
-    return _return_to
+_STATE_ATTR = "_elastic_ep_tail_recovery"
 
 
-def _once(message: str) -> None:
-    if message not in _reported:
-        _reported.add(message)
-        logger.error("[elastic-ep] %s", message)
+def tail_recovery_state(state: Any) -> TailRecoveryState:
+    """The recovery state kept on upstream's ``ElasticEPState`` ``state`` (one per scheduler
+    process, whichever model runner runs the per-pass step); built on first use."""
+    recovery = getattr(state, _STATE_ATTR, None)
+    if recovery is None:
+        recovery = TailRecoveryState()
+        setattr(state, _STATE_ATTR, recovery)
+    return recovery
 
 
 def _live_mask(state: Any) -> list[int]:
@@ -68,7 +88,7 @@ def contraction_target(state: Any, runner: Any) -> int:
     with the reason, once, and upstream's state says so)."""
     if state.pending_ep_size is not None or not state.has_scaled:
         return 0
-    if state.scale_phase == "recovery_unsupported":
+    if state.scale_phase == RECOVERY_UNSUPPORTED:
         return 0
     tail = failed_tail(_live_mask(state), state.effective_ep_size, state.original_ep_size)
     if tail is None:
@@ -98,17 +118,16 @@ def _fail_recovery(runner: Any, state: Any, problem: str) -> None:
     manager = state_manager()
     manager.fail_recovery(problem)
     runner._report_elastic_scale_failure(problem, state.effective_ep_size)
-    _once(problem)
+    tail_recovery_state(state).report_once(problem)
 
 
 def let_go_of_failed_tail(runner: Any, target: int) -> None:
     """Step 1, on every survivor in the same agreed pass."""
-    global _return_to
     state = state_manager().instance()
     old = state.effective_ep_size
     release_tail(runner, target, tell_tokenizer=False, move_experts=False)
-    state.scale_phase = "awaiting_replacement"
-    _return_to = old
+    state.scale_phase = Phase.AWAITING_REPLACEMENT.value
+    tail_recovery_state(state).return_to = old
     logger.warning(
         "[elastic-ep] ranks %d..%d failed; the survivors let go of their slots and serve on %d "
         "ranks. Relaunch the failed joiner with --ep-join-mode recover "
@@ -120,22 +139,25 @@ def let_go_of_failed_tail(runner: Any, target: int) -> None:
 def request_return_when_replacement_registered(state: Any) -> None:
     """Step 2: once the replacement's cohort is in the store, ask for the old size again (this
     rank only; the per-pass agreement then waits for every survivor)."""
-    global _next_cohort_check
-    if _return_to is None or state.pending_ep_size is not None:
+    recovery = tail_recovery_state(state)
+    return_to = recovery.return_to
+    if return_to is None or state.pending_ep_size is not None:
         return
     now = time.monotonic()
-    if now < _next_cohort_check:
+    if now < recovery.next_cohort_check:
         return
-    _next_cohort_check = now + COHORT_CHECK_INTERVAL_S
+    recovery.next_cohort_check = now + COHORT_CHECK_INTERVAL_S
     from sglang.srt.elastic_ep.elastic_ep import get_scale_cohort
 
     cohort = get_scale_cohort(state.effective_ep_size)
     if cohort is None:
         return
-    if cohort.target_ep_size != _return_to:
-        _once(f"a joiner registered for size {cohort.target_ep_size} while ranks "
-              f"{state.effective_ep_size}..{_return_to - 1} await their replacement: relaunch "
-              f"them with --ep-join-mode recover (size {_return_to})")
+    if cohort.target_ep_size != return_to:
+        recovery.report_once(
+            f"a joiner registered for size {cohort.target_ep_size} while ranks "
+            f"{state.effective_ep_size}..{return_to - 1} await their replacement: relaunch "
+            f"them with --ep-join-mode recover (size {return_to})"
+        )
         return
     # The cohort key of the rank that died is still in the store (same offset, same payload);
     # only Mooncake's peer state tells that a new process joined WORLD in its slots. Asking
@@ -143,21 +165,21 @@ def request_return_when_replacement_registered(state: Any) -> None:
     from mooncake.pg import get_peer_state
 
     if not all(get_peer_state(dist.group.WORLD, list(range(state.effective_ep_size,
-                                                            _return_to)))):
+                                                            return_to)))):
         return
-    if state_manager().request_scale(_return_to):
+    if state_manager().request_scale(return_to):
         logger.info("[elastic-ep] replacement for ranks %d..%d registered: re-admitting it",
-                    state.effective_ep_size, _return_to - 1)
+                    state.effective_ep_size, return_to - 1)
 
 
 def note_committed(state: Any) -> None:
     """After the per-pass step: the replacement is in once the old size is back."""
-    global _return_to
-    if _return_to is not None and state.pending_ep_size is None \
-            and state.effective_ep_size == _return_to:
+    recovery = tail_recovery_state(state)
+    if recovery.return_to is not None and state.pending_ep_size is None \
+            and state.effective_ep_size == recovery.return_to:
         logger.info("[elastic-ep] recovered ranks that joined by scale-up: back at %d ranks",
-                    _return_to)
-        _return_to = None
+                    recovery.return_to)
+        recovery.return_to = None
 
 
 def world_gather_width(original: Any, num_dp_ranks: int, **kwargs: Any) -> int:
@@ -187,13 +209,13 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
     """A scale-down to the size the survivors already serve on (after letting go of a failed
     tail): the orchestrator removes the failed ranks instead of replacing them. Nothing moves;
     the HTTP process is told to shrink and no replacement is awaited any more."""
-    global _return_to
     from sglang.srt.elastic_ep.topology import attn_replica_size, physical_ep_size_to_dp_size
     from sglang.srt.managers.io_struct import ElasticScaleUpdateReq, ScaleElasticEPReqOutput
     from sglang.srt.runtime_context import get_exec, get_parallel
 
-    old, _return_to = _return_to, None
-    state.scale_phase = "serving_contracted"
+    recovery = tail_recovery_state(state)
+    old, recovery.return_to = recovery.return_to, None
+    state.scale_phase = Phase.SERVING_CONTRACTED.value
     state.last_error = None
     runner = scheduler.tp_worker.model_runner
     if get_parallel().tp_rank == 0 and not get_exec().moe.is_ep_scale_joiner:
@@ -208,7 +230,7 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
     return ScaleElasticEPReqOutput(
         success=True, message=f"failed ranks {new_ep_size}..{old - 1} removed",
         old_ep_size=old, new_ep_size=new_ep_size, pending_ep_size=new_ep_size,
-        scale_phase="releasing",
+        scale_phase=Phase.RELEASING.value,
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang.expert_moves import move_experts_off_leaving_ranks
 from sglang_elastic_ep.sglang.upstream import expert_location_metadata, state_manager
 
@@ -58,7 +59,7 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
 
     # 1. Experts: the staying ranks take every expert only the tail holds (weights move while
     # the leaving ranks are still members); then the leaving ranks' slots leave the map.
-    state.scale_phase = "switching_placement"
+    state.scale_phase = Phase.SWITCHING_PLACEMENT.value
     if move_experts:
         move_experts_off_leaving_ranks(runner, old, target)
     metadata = expert_location_metadata()
@@ -76,7 +77,7 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
         )
 
     # 2. Ranks: inactive everywhere, then out of WORLD's collectives.
-    state.scale_phase = "releasing"
+    state.scale_phase = Phase.RELEASING.value
     state.active_ranks[target:] = 0
     state.snapshot_active_to_last()
     state.sync_active_to_cpu()
@@ -87,7 +88,7 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
     state.pending_ep_size = None
     state.pending_since = None
     state.has_scaled = True
-    state.scale_phase = "serving_contracted" if staying else "released"
+    state.scale_phase = (Phase.SERVING_CONTRACTED if staying else Phase.RELEASED).value
     if manager._on_scale is not None:  # the NIXL data plane (upstream sets it for nixl only)
         from sglang_elastic_ep.sglang.nixl_buffer_hooks import mark_ranks_drained
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# Upstream's own ``scale_phase`` when it cannot recover failed ranks (``fail_recovery``); not a
+# phase this plugin writes, so not one of ``core.phases.Phase``.
+RECOVERY_UNSUPPORTED = "recovery_unsupported"
+
 
 def elastic_ep_enabled() -> bool:
     """Whether this process serves with elastic EP (``--elastic-ep-backend`` was given).

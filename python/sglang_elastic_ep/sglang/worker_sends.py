@@ -9,7 +9,7 @@ all live-looking workers) sent before the controller learnt of the death stopped
 
 Sends to a worker socket are made non-blocking; one with no peer is dropped with a warning.
 Nothing is lost silently: a generate request dropped this way was routed to that shard by the
-tokenizer, which ends it with 503 once the shard is reported down (http_adapter); a control
+tokenizer, which ends it with 503 once the shard is reported down (tokenizer_hooks); a control
 request's caller stops waiting at its timeout. (SGLang sets no send high-water mark on these
 sockets, so a live but slow worker never refuses a message.)
 """

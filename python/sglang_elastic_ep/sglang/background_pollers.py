@@ -1,0 +1,107 @@
+"""Background work of the HTTP server process: the expert health poller and the metrics
+refresher, each on its own daemon thread started by ``server_mount.mount_on_server``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+
+logger = logging.getLogger(__name__)
+
+HEALTH_ANSWER_TIMEOUT_S = 10.0
+METRICS_REFRESH_S = 5.0
+
+
+class ExpertHealthPoller:
+    """Health checks from rank 0's gathered expert timings (sglang/expert_health.py): the
+    monitor marks slow experts and hard-blocks a rank after enough slow checks
+    (``recovery_required``); such a rank is then blocked in the data plane, where every expert
+    it serves has a replica on another serving rank."""
+
+    def __init__(self, tokenizer_manager: Any, plane: InProcessControlPlane) -> None:
+        self._tm = tokenizer_manager
+        self._plane = plane
+        # Ranks already warned about (slow, but holding an expert's last replica): warn once.
+        self._cannot_block: set[int] = set()
+
+    async def poll(self) -> None:
+        """One health check."""
+        from sglang.srt.managers.io_struct import SetInternalStateReq
+
+        from sglang_elastic_ep.core.health import ExpertTimings, blockable_ranks
+        from sglang_elastic_ep.core.placement import experts_per_rank
+        from sglang_elastic_ep.sglang.expert_health import BLOCKED_RANKS_KEY, REPORT_KEY
+
+        tm = self._tm
+        plane = self._plane
+        states = await asyncio.wait_for(tm.get_internal_state(), HEALTH_ANSWER_TIMEOUT_S)
+        report = next((s[REPORT_KEY] for s in states if isinstance(s, dict) and REPORT_KEY in s),
+                      None)
+        if report is None or not report.get("local_slots"):
+            return
+        timings = ExpertTimings(local_slots=int(report["local_slots"]),
+                                ns_per_row=tuple(report["ns_per_row"]),
+                                rows=tuple(report["rows"]))
+        plane.report_expert_placement(
+            experts_per_rank(report["physical_to_logical"], timings.local_slots)
+        )
+        m = plane.membership
+        ranks = [r for r in range(m.effective_size) if r not in m.leaving]
+        serving = [r for r in ranks if r not in m.failed]
+        latency, owner = timings.for_monitor(ranks)
+        plane.observe_health(alive={r: r not in m.failed for r in ranks},
+                             expert_latency=latency, expert_rank=owner)
+        slow = [r.rank for r in plane.health().ranks if r.hard_blocked and r.rank in serving]
+        blocked, kept = blockable_ranks(slow, report["physical_to_logical"],
+                                        timings.local_slots, serving)
+        for rank, experts in kept.items():
+            if rank not in self._cannot_block:
+                self._cannot_block.add(rank)
+                logger.warning("elastic EP: rank %d has slow experts but stays in use: logical "
+                               "experts %s have no replica on another serving rank", rank, experts)
+        mask = sum(1 << r for r in blocked)
+        if mask != int(report.get("blocked_ranks_mask", 0)):
+            await asyncio.wait_for(
+                tm.set_internal_state(SetInternalStateReq(server_args={BLOCKED_RANKS_KEY: mask})),
+                HEALTH_ANSWER_TIMEOUT_S,
+            )
+            logger.warning("elastic EP: ranks %s blocked for slow experts (data plane)",
+                           sorted(blocked))
+
+    def start(self, interval_s: float) -> None:
+        """Polls on the tokenizer's event loop (where its communicators live), from a thread."""
+        tokenizer_manager = self._tm
+
+        def run() -> None:
+            while True:
+                time.sleep(interval_s)
+                loop = getattr(tokenizer_manager, "event_loop", None)
+                if loop is None:
+                    continue  # the first request creates it
+                try:
+                    asyncio.run_coroutine_threadsafe(self.poll(), loop).result(
+                        timeout=3 * HEALTH_ANSWER_TIMEOUT_S
+                    )
+                except Exception:  # a missed check is retried at the next interval
+                    logger.debug("elastic EP: expert health poll failed", exc_info=True)
+
+        threading.Thread(target=run, name="elastic-ep-health", daemon=True).start()
+
+
+def start_metrics_refresher(plane: InProcessControlPlane) -> None:
+    """Gauges follow every change already; time spent degraded also grows between changes."""
+
+    def refresh() -> None:
+        while True:
+            time.sleep(METRICS_REFRESH_S)
+            try:
+                plane.refresh_metrics()
+            except Exception:  # a metrics hiccup must never stop the refresher
+                logger.debug("elastic EP: metrics refresh failed", exc_info=True)
+
+    threading.Thread(target=refresh, name="elastic-ep-metrics", daemon=True).start()

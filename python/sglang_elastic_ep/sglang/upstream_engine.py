@@ -1,0 +1,180 @@
+"""The engine port the control plane drives: SGLang's own tokenizer -> scheduler path.
+
+A scale (up or down) is handed to upstream's ``TokenizerManager.scale_elastic_ep``; a watcher
+mirrors the schedulers' phase (reported back to the tokenizer) into the operation until it
+commits or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from sglang_elastic_ep.api.control_plane import EngineRefusal
+from sglang_elastic_ep.core.api_models import OperationKind
+from sglang_elastic_ep.core.operations import Operation
+from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.core.routing import LiveShardRouter
+from sglang_elastic_ep.sglang.http_state import HttpAdapterState
+from sglang_elastic_ep.sglang.tokenizer_hooks import abort_with_503
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.2
+SCHEDULER_ANSWER_TIMEOUT_S = 60.0  # every live scheduler answers a scale request at once
+# The schedulers' scale_phase (as the tokenizer reports it) -> the operation's phase.
+UPSTREAM_PHASES = {p.value: p for p in Phase}
+
+LOST_TO_DRAIN_TIMEOUT = (
+    "the scale-down drained DP shard {shard} (EP ranks leaving) and this request was still "
+    "running after --elastic-ep-drain-timeout ({timeout:g} s); it was ended, nothing more "
+    "will be returned for it: retry the request"
+)
+
+
+class UpstreamEngine:
+    """Starts operations through SGLang's tokenizer manager and watches them to the end.
+
+    A scale-up is upstream's. A scale-down first stops routing to the leaving shards (here, in
+    the tokenizer's router), then hands the request to the schedulers, which commit it once
+    the leaving shards hold no request (sglang/scale_down.py); requests still running there
+    after ``--elastic-ep-drain-timeout`` are ended with 503 and a message. A scale-down that
+    removes failed ranks (the only one validation admits while they are failed) asks only the
+    live schedulers and drains nothing (sglang/tail_recovery.py)."""
+
+    def __init__(self, tokenizer_manager: Any, adapter: HttpAdapterState) -> None:
+        # The adapter state, not the plane: the plane is built with this engine, and set on the
+        # state right after. Its router is the one the tokenizer hooks route with.
+        self._tm = tokenizer_manager
+        self._adapter = adapter
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    @property
+    def _router(self) -> LiveShardRouter:
+        return self._adapter.router
+
+    def _leaving_shards(self, op: Operation) -> frozenset[int]:
+        replica = int(getattr(self._tm, "attn_replica_size", 1) or 1)
+        return frozenset(r // replica for r in range(op.new_ep_size, op.old_ep_size))
+
+    async def __call__(self, op: Operation) -> None:
+        if op.kind not in (OperationKind.SCALE_UP, OperationKind.SCALE_DOWN):
+            raise NotImplementedError(
+                f"{op.kind.value} is not available in this build of sglang-elastic-ep"
+            )
+        from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
+
+        leaving: frozenset[int] = frozenset()
+        drain = False
+        if op.kind is OperationKind.SCALE_DOWN:
+            leaving = self._leaving_shards(op)
+            # Validation admits a scale-down over failed ranks only when it removes exactly
+            # them: nothing of theirs is left to drain, and their schedulers cannot answer.
+            failed = self._adapter.control_plane().membership.failed
+            removing_failed = bool(failed & frozenset(op.ranks))
+            drain = not removing_failed
+            if removing_failed:
+                replica = int(getattr(self._tm, "attn_replica_size", 1) or 1)
+                self._tm.update_control_communicator_fan_out(op.new_ep_size // replica)
+            else:
+                self._router.leaving = leaving  # stop new work first
+        try:
+            result = await asyncio.wait_for(
+                self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)),
+                SCHEDULER_ANSWER_TIMEOUT_S,
+            )
+        except asyncio.TimeoutError:
+            self._undo(op, drain)
+            raise RuntimeError(
+                f"the schedulers did not answer within {SCHEDULER_ANSWER_TIMEOUT_S:g} s"
+            ) from None
+        if not result.success:
+            self._undo(op, drain)
+            if op.kind is OperationKind.SCALE_DOWN:
+                raise EngineRefusal(result.message)
+            raise RuntimeError(result.message)
+        task = asyncio.get_running_loop().create_task(self._watch(op, leaving, drain))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    def _undo(self, op: Operation, drain: bool) -> None:
+        """A refused or unanswered request changes nothing here either."""
+        self._router.leaving = frozenset()
+        if op.kind is OperationKind.SCALE_DOWN and not drain:
+            self._tm.update_control_communicator_fan_out(self._tm.elastic_worker_count)
+
+    @property
+    def _drain_timeout_s(self) -> float:
+        return float(getattr(self._tm.server_args, "elastic_ep_drain_timeout", 120.0))
+
+    def _end_drain_stragglers(self, leaving: frozenset[int]) -> int:
+        timeout = self._drain_timeout_s
+        ended = 0
+        for shard, rids in self._router.still_running(leaving, self._tm.rid_to_state).items():
+            abort_with_503(self._tm, rids,
+                           LOST_TO_DRAIN_TIMEOUT.format(shard=shard, timeout=timeout))
+            ended += len(rids)
+        return ended
+
+    async def _confirm_drain(self, op: Operation) -> None:
+        """Every request routed to a leaving shard has ended: say so to the schedulers (the
+        same request again, past upstream's pending check), so a leaving rank can commit."""
+        from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
+
+        answers = await asyncio.wait_for(
+            self._tm.scale_elastic_ep_communicator(
+                ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)
+            ),
+            SCHEDULER_ANSWER_TIMEOUT_S,
+        )
+        refused = [a.message for a in answers if not a.success]
+        if refused:
+            raise RuntimeError(f"drain confirmation refused: {refused[0]}")
+
+    async def _watch(self, op: Operation, leaving: frozenset[int], drain: bool) -> None:
+        plane = self._adapter.control_plane()
+        operation_id = op.operation_id
+        draining = drain and bool(leaving)
+        drain_deadline = time.monotonic() + self._drain_timeout_s if draining else None
+        last = None
+        while True:
+            state = self._tm.get_elastic_ep_state()
+            phase = UPSTREAM_PHASES.get(str(state.get("scale_phase")))
+            if draining:
+                running = self._router.still_running(leaving, self._tm.rid_to_state)
+                if not any(running.values()):
+                    draining = False
+                    try:
+                        await self._confirm_drain(op)
+                    except Exception as exc:  # the schedulers never commit without it
+                        self._router.leaving = frozenset()
+                        plane.finish_operation(operation_id, error=str(exc))
+                        return
+                elif drain_deadline is not None and time.monotonic() > drain_deadline:
+                    drain_deadline = None  # once; the ended requests then leave rid_to_state
+                    ended = self._end_drain_stragglers(leaving)
+                    logger.warning("elastic EP: drain timeout (%g s) for shards %s: ended %d "
+                                   "requests with 503", self._drain_timeout_s, sorted(leaving),
+                                   ended)
+            if phase is not None and phase != last and phase not in (Phase.IDLE,):
+                last = phase
+                if phase is Phase.SERVING_EXPANDED:
+                    joined = range(op.old_ep_size, op.new_ep_size)
+                    plane.report_rank_joined(joined, operation_id=operation_id)
+                    plane.finish_operation(operation_id)
+                    return
+                if phase is Phase.SERVING_CONTRACTED:
+                    self._router.forget(leaving)
+                    plane.finish_operation(operation_id)
+                    return
+                if phase is Phase.FAILED:
+                    self._router.leaving = frozenset()
+                    plane.finish_operation(operation_id, error=state.get("last_error") or "failed")
+                    return
+                try:
+                    plane.record_phase(operation_id, phase)
+                except Exception:  # an illegal jump in the mirror is not worth failing over
+                    logger.debug("elastic EP: phase %s not recorded", phase, exc_info=True)
+            await asyncio.sleep(WATCH_INTERVAL_S)
