@@ -6,12 +6,6 @@ survivor keeps serving, the requests node 1 was running end with HTTP 503 and a 
 a hang), the status shows rank 1 failed, and the events reach both SSE and a webhook receiver.
 A process relaunched with ``--ep-join-mode recover`` rejoins; the cluster is back at full size,
 serves on the recovered shard again, and every completed request decoded the reference tokens.
-
-In CI again since stop 11. In stop 10 it failed once in a clean-clone CI run: after the kill
-the survivor ran no batch and reported no fault within 90 s. That run came right after a
-port collision of the harness (fixed since, with the NCCL port now pinned too), and stop 11
-found two ways a dead peer could stop every rank (a NIXL handshake waiting on it; a DP
-controller send to it blocking), both fixed; it passed alone and in the stall hunts since.
 """
 
 from __future__ import annotations
@@ -35,6 +29,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
 )
 
 FAULT_SEEN_S = 90
+LOAD_PAUSE_S = 0.5
 RECOVERED_S = 420
 SERVES_S = 180  # for a shard to serve the load after a change (two busy cores)
 
@@ -56,7 +51,9 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
         with LocalCluster(spec) as cluster:
             url = cluster.url
             reference = greedy_reference(url)
-            load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+            # One client with short pauses: traffic on every shard (a dead rank is noticed by
+            # the requests that reach it), and CPU left for the replacement to start.
+            load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
             try:
                 # Under load on both shards when node 1 dies (node 1's responses may carry no
                 # dp_rank: its log shows its batches).

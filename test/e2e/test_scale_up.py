@@ -110,6 +110,9 @@ def rank_events(events: list[dict], rank: int) -> list[str]:
 
 RECOVERY_EVENTS = ["rank_failed", "recovery_required", "rank_recovered"]
 FAULT_SEEN_S = 90
+# One client with short pauses: traffic on every shard (a dead rank is noticed by the requests
+# that reach it), and CPU left for the joiners to start.
+LOAD_PAUSE_S = 0.5
 
 
 def grow_kill_and_recover(
@@ -176,7 +179,7 @@ def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Pa
     with WebhookReceiver() as hook, skewed_cluster(tiny_model, hook) as cluster:
         url = cluster.url
         reference = greedy_reference(url)
-        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+        load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
         try:
             replacement, killed_at, served_by_joiner = grow_kill_and_recover(cluster, load)
         finally:
@@ -222,7 +225,7 @@ def test_the_recovered_joiner_killed_again_is_removed(tiny_model: Path) -> None:
     with WebhookReceiver() as hook, skewed_cluster(tiny_model, hook) as cluster:
         url = cluster.url
         reference = greedy_reference(url)
-        load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+        load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
         try:
             replacement, _, _ = grow_kill_and_recover(cluster, load)
             cluster.kill_server(replacement)
