@@ -1,4 +1,5 @@
-"""A 2-rank EP server on CPU (Mooncake process groups) serves exactly what a 1-rank server does.
+"""A 2-rank EP server on CPU (Mooncake process groups, NIXL EP data plane) serves exactly what a
+1-rank server does.
 
 Greedy decoding of a fixed prompt set in float32: an expert computed on no rank or on two ranks
 changes the hidden states by a whole expert's output and flips tokens, so exact equality of the
@@ -20,6 +21,7 @@ import pytest
 from sglang_elastic_ep_testbed import cli as testbed_cli
 from sglang_elastic_ep_testbed.cli import StateFile
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LocalCluster
+from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
 from sglang_elastic_ep_testbed.cluster.procs import kill_tree
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
@@ -56,16 +58,16 @@ def chat(url: str) -> str:
     return choice["message"]["content"]
 
 
-def check_contract_on_fixed_size_server(url: str) -> None:
+def check_contract_rejects_bad_input(url: str, max_size: int) -> None:
     """The orchestrator endpoints are mounted on the real server; bad input changes nothing."""
     before = httpx.get(url + "/elastic_ep/status", timeout=30).json()
-    assert before["effective_ep_size"] == 2 and before["max_ep_size"] == 2
-    assert [r["state"] for r in before["ranks"]] == ["active", "active"]
+    assert before["effective_ep_size"] == 2 and before["max_ep_size"] == max_size
+    assert [r["state"] for r in before["ranks"]][:2] == ["active", "active"]
     for method in ("GET", "POST"):
         resp = httpx.request(method, url + "/is_scaling_elastic_ep", timeout=30)
         assert resp.status_code == 200 and resp.json()["is_scaling_elastic_ep"] is False
     bad = [
-        ({"new_ep_size": 3}, 400, "max-ep-size"),
+        ({"new_ep_size": max_size + 1}, 400, "max-ep-size"),
         ({"new_tp_size": 0}, 400, "at least 1"),
         ({"new_ep_size": 2, "new_tp_size": 3}, 400, "new_tp_size"),
         ({"new_ep_size": "2"}, 400, ""),
@@ -85,24 +87,9 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path) -
         reference, _ = greedy_outputs(one.url)
         reference_chat = chat(one.url)
 
-    with LocalCluster(ClusterSpec(tiny_model, ep_size=2)) as two:
-        info = httpx.get(two.url + "/server_info", timeout=30).json()
-        assert info["ep_size"] == 2 and info["tp_size"] == 2
-        assert info.get("attn_dp_size", info.get("dp_size")) == 2, "one DP shard per rank"
-        assert info["elastic_ep_backend"] == "mooncake"
-        assert len(two.primary.scheduler_pids()) == 2
-        outputs, shards = greedy_outputs(two.url)
-        two_chat = chat(two.url)
-        check_contract_on_fixed_size_server(two.url)
-
-    assert shards == {0, 1}, f"round-robin should use both DP shards, saw {shards}"
-    mismatched = {p: (reference[p], outputs[p]) for p in reference if reference[p] != outputs[p]}
-    assert not mismatched, f"2-rank EP differs from 1 rank: {mismatched}"
-    assert two_chat == reference_chat
-
-    # The NIXL EP data plane on CPU (--moe-a2a-backend nixl): tokens travel to the ranks owning
-    # their experts through the CPU buffer (real NIXL transfers) and back; same tokens again.
-    # This cluster is the one a user starts by hand: `sglang-eep testbed up`, then `show`
+    # Two ranks with the NIXL EP data plane on CPU (--moe-a2a-backend nixl): tokens travel to the
+    # ranks owning their experts through the CPU buffer (real NIXL transfers) and back. This
+    # cluster is the one a user starts by hand: `sglang-eep testbed up`, then `show`
     # and `down` from another process.
     state_dir = tmp_path / "testbed"
     with open(tmp_path / "up.out", "w") as out:
@@ -111,7 +98,14 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path) -
              "--state-dir", str(state_dir)], stdout=out, stderr=subprocess.STDOUT)
     try:
         state = wait_testbed_up(up, state_dir, tmp_path / "up.out")
+        info = httpx.get(state.url + "/server_info", timeout=30).json()
+        assert info["ep_size"] == 2 and info["tp_size"] == 2
+        assert info.get("attn_dp_size", info.get("dp_size")) == 2, "one DP shard per rank"
+        assert info["elastic_ep_backend"] == "mooncake"
+        assert len(ServerProcess.scheduler_pids_of(state.servers[0].pid)) == 2
         nixl_outputs, nixl_shards = greedy_outputs(state.url)
+        nixl_chat = chat(state.url)
+        check_contract_rejects_bad_input(state.url, max_size=4)
         shown = run_testbed(state_dir, "show")
         assert shown.returncode == 0, shown.stdout
         for server in state.servers:
@@ -124,10 +118,11 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path) -
         assert not still, f"servers left running after `testbed down`: {still}"
     finally:
         stop_testbed(up, state_dir)
-    assert nixl_shards == {0, 1}
+    assert nixl_shards == {0, 1}, f"round-robin should use both DP shards, saw {nixl_shards}"
     mismatched = {p: (reference[p], nixl_outputs[p]) for p in reference
                   if reference[p] != nixl_outputs[p]}
     assert not mismatched, f"2-rank NIXL EP differs from 1 rank: {mismatched}"
+    assert nixl_chat == reference_chat
 
 
 def run_testbed(state_dir: Path, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -29,7 +29,6 @@ from sglang_elastic_ep_testbed.cluster.observe import (
 )
 
 FAULT_SEEN_S = 90
-LOAD_PAUSE_S = 0.5
 RECOVERED_S = 420
 SERVES_S = 180  # for a shard to serve the load after a change (two busy cores)
 
@@ -51,9 +50,10 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
         with LocalCluster(spec) as cluster:
             url = cluster.url
             reference = greedy_reference(url)
-            # One client with short pauses: traffic on every shard (a dead rank is noticed by
-            # the requests that reach it), and CPU left for the replacement to start.
-            load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
+            # Two clients, back to back: a dead rank is noticed in a forward pass that needs it,
+            # and a request routed to the dead shard waits until then; with one client that
+            # request alone could leave the survivor idle, and the death unnoticed.
+            load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
             try:
                 # Under load on both shards when node 1 dies (node 1's responses may carry no
                 # dp_rank: its log shows its batches).

@@ -110,9 +110,10 @@ def rank_events(events: list[dict], rank: int) -> list[str]:
 
 RECOVERY_EVENTS = ["rank_failed", "recovery_required", "rank_recovered"]
 FAULT_SEEN_S = 90
-# One client with short pauses: traffic on every shard (a dead rank is noticed by the requests
-# that reach it), and CPU left for the joiners to start.
-LOAD_PAUSE_S = 0.5
+# Two clients, back to back: a dead rank is noticed in a forward pass that needs it, and a
+# request routed to the dead shard waits until then; with one client that request alone could
+# leave every live rank idle, and the death unnoticed (docs/cpu-testbed.md).
+LOAD_CLIENTS = 2
 
 
 def grow_kill_and_recover(
@@ -179,7 +180,7 @@ def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Pa
     with WebhookReceiver() as hook, skewed_cluster(tiny_model, hook) as cluster:
         url = cluster.url
         reference = greedy_reference(url)
-        load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
+        load = LoadClient(url, concurrency=LOAD_CLIENTS, max_new_tokens=8).start()
         try:
             replacement, killed_at, served_by_joiner = grow_kill_and_recover(cluster, load)
         finally:
@@ -225,7 +226,7 @@ def test_the_recovered_joiner_killed_again_is_removed(tiny_model: Path) -> None:
     with WebhookReceiver() as hook, skewed_cluster(tiny_model, hook) as cluster:
         url = cluster.url
         reference = greedy_reference(url)
-        load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
+        load = LoadClient(url, concurrency=LOAD_CLIENTS, max_new_tokens=8).start()
         try:
             replacement, _, _ = grow_kill_and_recover(cluster, load)
             cluster.kill_server(replacement)
