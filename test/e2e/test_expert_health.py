@@ -32,7 +32,7 @@ from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 BLOCKED_S = 300  # a check runs between batches: on three ranks over two cores, seconds apart
 # No fault is injected here: a Mooncake timeout long enough that a starved rank is never taken
-# for a dead one (the 2 s the fault tests use once marked rank 1 dead in CI).
+# for a dead one (the fault tests' 2 s is too short for three ranks on two cores).
 COLLECTIVE_TIMEOUT_S = 30.0
 
 

@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 
-from sglang_elastic_ep.sglang.upstream import elastic_state, expert_location_metadata
+from sglang_elastic_ep.sglang.upstream import (
+    attached_state,
+    elastic_state,
+    expert_location_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +81,7 @@ def expert_health_state(state: Any) -> ExpertHealthState:
     """The expert health kept on upstream's per-process ``ElasticEPState`` ``state``: the
     expert dispatch, which receives neither scheduler nor model runner, reaches it there as
     the scheduler hooks do; built on first use."""
-    health = getattr(state, _STATE_ATTR, None)
-    if health is None:
-        health = ExpertHealthState()
-        setattr(state, _STATE_ATTR, health)
-    return health
+    return attached_state(state, _STATE_ATTR, ExpertHealthState)
 
 
 def local_contribution(rank: int, max_ep_size: int) -> list[int]:

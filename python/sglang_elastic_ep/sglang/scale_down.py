@@ -32,7 +32,7 @@ from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
 from sglang_elastic_ep.sglang.tail_release import release_tail
-from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on, state_manager
+from sglang_elastic_ep.sglang.upstream import attached_state, lockstep_agreement_on, state_manager
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,7 @@ _STATE_ATTR = "_elastic_ep_scale_down"
 def scale_down_state(state: Any) -> ScaleDownState:
     """The scale-down state kept on upstream's ``ElasticEPState`` ``state`` (one per scheduler
     process, whichever model runner runs the per-pass step); built on first use."""
-    down = getattr(state, _STATE_ATTR, None)
-    if down is None:
-        down = ScaleDownState()
-        setattr(state, _STATE_ATTR, down)
-    return down
+    return attached_state(state, _STATE_ATTR, ScaleDownState)
 
 
 def refusal(state: Any, new_ep_size: int) -> str | None:

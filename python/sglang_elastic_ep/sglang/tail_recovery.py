@@ -35,6 +35,7 @@ from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
 from sglang_elastic_ep.sglang.upstream import (
     RECOVERY_UNSUPPORTED,
+    attached_state,
     expert_location_metadata,
     state_manager,
 )
@@ -66,11 +67,7 @@ _STATE_ATTR = "_elastic_ep_tail_recovery"
 def tail_recovery_state(state: Any) -> TailRecoveryState:
     """The recovery state kept on upstream's ``ElasticEPState`` ``state`` (one per scheduler
     process, whichever model runner runs the per-pass step); built on first use."""
-    recovery = getattr(state, _STATE_ATTR, None)
-    if recovery is None:
-        recovery = TailRecoveryState()
-        setattr(state, _STATE_ATTR, recovery)
-    return recovery
+    return attached_state(state, _STATE_ATTR, TailRecoveryState)
 
 
 def _live_mask(state: Any) -> list[int]:

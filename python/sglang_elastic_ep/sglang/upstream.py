@@ -8,7 +8,10 @@ for one module with ``monkeypatch.setattr(module, name, ...)``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # Upstream's own ``scale_phase`` when it cannot recover failed ranks (``fail_recovery``); not a
 # phase this plugin writes, so not one of ``core.phases.Phase``.
@@ -66,3 +69,13 @@ def lockstep_agreement_on(state: Any, parallel: Any) -> bool:
     if state is None or state.active_ranks is None or state.active_ranks.device.type != "cpu":
         return False
     return bool(parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size)
+
+
+def attached_state(owner: Any, attr: str, factory: Callable[[], T]) -> T:
+    """The adapter state kept on ``owner`` (an upstream per-process object) under ``attr``,
+    built with ``factory`` on first use: one instance per process, no module global."""
+    found = getattr(owner, attr, None)
+    if found is None:
+        found = factory()
+        setattr(owner, attr, found)
+    return found
