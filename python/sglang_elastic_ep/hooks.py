@@ -15,6 +15,7 @@ from typing import Literal
 S = "sglang.srt."
 NIXL = f"{S}layers.moe.token_dispatcher.nixl.NixlEPBuffer"
 EEP = f"{S}elastic_ep.elastic_ep"
+DPA = f"{S}managers.scheduler_components.dp_attn"
 PACKAGE = "sglang_elastic_ep"
 
 HookKind = Literal["BEFORE", "AFTER", "AROUND", "REPLACE"]
@@ -75,25 +76,40 @@ HOOKS: tuple[Hook, ...] = (
          "nearest replica with an a2a backend"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.maybe_join_ep_ranks",
          "sglang.scale_progress:agreed_join_step", "AROUND",
-         "rank agreement: enter membership collectives only when every rank sees the scale"),
+         "rank agreement: enter membership collectives only on the pass the gathered verdict "
+         "says every rank is ready for the same change"),
     Hook(f"{S}managers.scheduler.Scheduler.get_next_batch_to_run",
          "sglang.scale_progress:progress_membership_when_idle", "AFTER",
          "upstream advances a scale only after forward passes; idle servers never did. Here, not"
-         " in on_idle: every rank sees 'no batch' on the same iteration, on_idle it may skip"),
+         " in on_idle: every rank sees 'no batch' on the same iteration, on_idle it may skip;"
+         " also marks each loop iteration for the agreement"),
     Hook(f"{S}managers.scheduler.Scheduler.handle_scale_elastic_ep",
          "sglang.scale_down:handle_scale_request", "AROUND",
          "a target below the effective size is a scale-down (upstream refuses it)"),
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager.forward_elastic_scale_update",
          "sglang.tokenizer_hooks:apply_scale_update", "AROUND",
          "a committed scale-down shrinks the tokenizer's worker count (upstream only grows)"),
-    Hook(f"{S}managers.scheduler_components.dp_attn._resolve_elastic_world_num_dp_ranks",
+    Hook(f"{DPA}._resolve_elastic_world_num_dp_ranks",
          "sglang.tail_recovery:world_gather_width", "AROUND",
          "a scale-joined rank's death shrinks WORLD under the DP gather; upstream raises and "
          "kills every scheduler"),
-    Hook(f"{S}managers.scheduler_components.dp_attn.MLPSyncBatchInfo.all_gather",
-         "sglang.tail_recovery:gather_masks_expanded_world", "AROUND",
-         "over the expanded WORLD a dead joiner's row must be blanked with WORLD's mask; "
-         "upstream uses the launch-time TP group's, which has no entry for it"),
+    Hook(f"{DPA}.MLPSyncBatchInfo.all_gather", "sglang.gather_agreement:gather_with_agreement",
+         "AROUND",
+         "every rank reads the membership verdict from the same gathered rows, on the same pass;"
+         " over the expanded WORLD a dead joiner's row is blanked with WORLD's mask (upstream "
+         "uses the launch-time TP group's, which has no entry for it)"),
+    Hook(f"{DPA}.prepare_mlp_sync_batch_raw", "sglang.gather_agreement:bracket_mlp_sync",
+         "AROUND",
+         "the agreement's inputs need the pass's model runner and batch, which all_gather "
+         "does not receive"),
+    Hook(f"{DPA}.MLPSyncBatchInfo._get_local_tensor",
+         "sglang.gather_agreement:append_agreement_columns", "AROUND",
+         "this rank's gather row carries its membership proposal and expert timings: the "
+         "agreement needs no collective of its own"),
+    Hook(f"{DPA}.MLPSyncBatchInfo._get_fallback_tensor",
+         "sglang.gather_agreement:append_blank_columns", "AROUND",
+         "rows no rank wrote (and inactive ranks' rows) must be as wide as the others and "
+         "carry no proposal"),
     Hook(f"{EEP}._try_recover_world", "sglang.world_view:admit_then_wait_for_view", "AROUND",
          "Mooncake applies an admission's view in the background; the next collective "
          "(the expert-map broadcast) must not start on a rank still on the old view"),

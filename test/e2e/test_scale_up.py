@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sglang_elastic_ep.sglang.scale_progress import ENV_TEST_SKEW
+from sglang_elastic_ep.sglang.gather_agreement import ENV_TEST_SKEW
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import (

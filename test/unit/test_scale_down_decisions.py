@@ -1,11 +1,12 @@
-"""Scheduler-side scale-down decisions that need no cluster: who is ready, and the idle step's
-place in the loop."""
+"""Scheduler-side scale-down decisions that need no cluster: who is ready, and when a shrink
+is refused. (The idle step's place in the loop: test_scale_progress.py.)"""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sglang_elastic_ep.sglang import scale_down
 from sglang_elastic_ep.sglang.scale_down import (
@@ -49,6 +50,10 @@ def test_staying_ranks_are_ready_at_once_leaving_ones_after_a_confirmed_drain() 
     assert down.ready_to_shrink(state, rank=2) == 2
     down.scheduler = scheduler(running=1)
     assert down.ready_to_shrink(state, rank=2) == 0  # confirmed, but still finishing one
+    # Asked before the pass's batch became the scheduler's running batch: that batch counts.
+    down.scheduler = scheduler()
+    assert down.ready_to_shrink(state, rank=2, batch_idle=False) == 0
+    assert down.ready_to_shrink(state, rank=0, batch_idle=False) == 2  # staying: at once
 
 
 def test_no_shrink_pending_means_nothing_to_be_ready_for() -> None:
@@ -63,28 +68,6 @@ def test_one_scale_down_state_per_elastic_ep_state() -> None:
     down = scale_down_state(state)
     assert scale_down_state(state) is down
     assert scale_down_state(SimpleNamespace()) is not down
-
-
-def test_the_idle_step_runs_only_when_no_rank_has_a_batch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """It follows get_next_batch_to_run, whose answer the DP-attention all-gather makes the same
-    on every rank (on_idle is skipped by the overlap loop right after a batch)."""
-    from sglang_elastic_ep.sglang import scale_progress
-
-    calls: list[str] = []
-    runner = SimpleNamespace(maybe_join_ep_ranks=lambda: calls.append("step"))
-    sched = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner),
-                            _maybe_report_active_ranks=lambda: calls.append("report"))
-    monkeypatch.setattr(scale_progress, "elastic_state", lambda: object())
-    monkeypatch.setattr(scale_progress, "lockstep_agreement_on", lambda state, parallel: True)
-    import sglang.srt.runtime_context as runtime_context
-
-    monkeypatch.setattr(runtime_context, "get_parallel", lambda: object())
-    scale_progress.progress_membership_when_idle(SimpleNamespace(batch_to_run=object()), sched)
-    assert calls == []
-    scale_progress.progress_membership_when_idle(SimpleNamespace(batch_to_run=None), sched)
-    assert calls == ["step", "report"]
 
 
 def test_a_server_is_stopped_only_when_every_one_of_its_ranks_leaves() -> None:
@@ -115,3 +98,26 @@ def test_a_shrink_below_two_attention_dp_ranks_is_refused() -> None:
     assert scale_down.too_few_dp_ranks(True, 2, 1) is None
     assert scale_down.too_few_dp_ranks(True, 2, 2) is not None  # one replica of two ranks
     assert scale_down.too_few_dp_ranks(False, 1, 1) is None  # no attention DP: no such limit
+
+
+def test_a_shrink_is_refused_where_no_per_pass_agreement_can_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sglang.srt.runtime_context as runtime_context
+
+    def refusal(state: SimpleNamespace, **parallel: object) -> str | None:
+        monkeypatch.setattr(runtime_context, "get_parallel",
+                            lambda: SimpleNamespace(tp_size=2, **parallel))
+        return scale_down.refusal(state, 2)
+
+    on_device = SimpleNamespace(active_ranks=torch.ones(4, device="meta"), effective_ep_size=3)
+    assert "room to grow" in refusal(on_device, max_ep_size=None, attn_dp_enabled=True)
+    # On a device the agreement rides on the DP-attention gather only.
+    assert "--enable-dp-attention" in refusal(on_device, max_ep_size=4, attn_dp_enabled=False)
+    monkeypatch.setattr(scale_down, "dp_gather_every_pass", lambda parallel: True)
+    monkeypatch.setattr(scale_down, "too_few_dp_ranks", lambda *a: "past the agreement checks")
+    monkeypatch.setattr(scale_down, "state_manager", lambda: None)
+    import sglang.srt.elastic_ep.topology as topology
+
+    monkeypatch.setattr(topology, "attn_replica_size", lambda: 1)
+    assert refusal(on_device, max_ep_size=4, attn_dp_enabled=True) == "past the agreement checks"

@@ -1,16 +1,25 @@
-"""Where the per-pass lockstep agreement runs (never adding a device sync on GPUs)."""
+"""Where the per-pass agreement runs, and what the membership step does with its verdict."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on
+from sglang_elastic_ep.core.agreement import (
+    GatheredRound,
+    LockstepVerdict,
+    Proposal,
+    StepKind,
+)
+from sglang_elastic_ep.sglang import scale_progress, tail_recovery
+from sglang_elastic_ep.sglang.gather_agreement import AgreedRound, gather_agreement
+from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on, membership_state_on_host
 
 
-def test_agreement_only_with_cpu_state_and_room_to_grow() -> None:
+def test_agreement_on_any_device_with_room_to_grow() -> None:
     cpu_state = SimpleNamespace(active_ranks=torch.ones(4, dtype=torch.int32))
     grow = SimpleNamespace(max_ep_size=4, tp_size=2)
     full = SimpleNamespace(max_ep_size=2, tp_size=2)
@@ -19,32 +28,122 @@ def test_agreement_only_with_cpu_state_and_room_to_grow() -> None:
     assert lockstep_agreement_on(cpu_state, full) is False
     assert lockstep_agreement_on(cpu_state, unset) is False
     assert lockstep_agreement_on(None, grow) is False
-    meta_state = SimpleNamespace(active_ranks=torch.ones(4, device="meta"))  # not host memory
-    assert lockstep_agreement_on(meta_state, grow) is False
+    # The verdict rides in the DP gather: no device-specific step, so no device gate.
+    device_state = SimpleNamespace(active_ranks=torch.ones(4, device="meta"))
+    assert lockstep_agreement_on(device_state, grow) is True
+    # Only the fallback for passes without a gather (a host all-reduce) asks where state lives.
+    assert membership_state_on_host(cpu_state) and not membership_state_on_host(device_state)
 
 
-def test_readiness_skew_holds_back_only_the_named_rank_for_its_passes() -> None:
-    from sglang_elastic_ep.sglang.scale_progress import ReadinessSkew
-
-    late = ReadinessSkew("1:3", rank=1)
-    assert [late.apply(3) for _ in range(5)] == [0, 0, 0, 3, 3]
-    assert late.apply(0) == 0  # nothing to be ready for
-    assert [late.apply(4) for _ in range(4)] == [0, 0, 0, 4]  # a new target is late again
-    on_time = ReadinessSkew("1:3", rank=0)
-    assert on_time.apply(3) == 3
-    assert ReadinessSkew(None, rank=1).apply(3) == 3
+def round_of(verdict: LockstepVerdict, kind: StepKind = StepKind.GROW,
+             target: int = 3) -> AgreedRound:
+    target = 0 if kind is StepKind.NONE else target
+    proposal = Proposal(rank=0, kind=kind, ready=target, target=target, serving=4)
+    return AgreedRound(GatheredRound(verdict, (proposal,)), proposal)
 
 
-def test_readiness_skew_reads_the_environment_once_and_lives_on_the_runner(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.fixture
+def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """``agreed_join_step`` on a fake state; ``calls`` records what it did."""
+    import sglang.srt.runtime_context as runtime_context
+
+    calls: list[str] = []
+    state = SimpleNamespace(active_ranks=torch.ones(4, dtype=torch.int32))
+    runner = SimpleNamespace(_elastic_ep_readiness_skew=SimpleNamespace(
+        entered=lambda: calls.append("skew reset")))
+    monkeypatch.setattr(scale_progress, "elastic_state", lambda: state)
+    monkeypatch.setattr(scale_progress, "lockstep_agreement_on", lambda s, p: True)
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: object())
+    monkeypatch.setattr(tail_recovery, "note_committed", lambda s: calls.append("noted"))
+    monkeypatch.setattr(tail_recovery, "let_go_of_failed_tail",
+                        lambda r, t: calls.append(f"let go to {t}"))
+    monkeypatch.setattr(scale_progress, "finalize_scale_down",
+                        lambda r, t: calls.append(f"shrink to {t}"))
+    monkeypatch.setattr(scale_progress, "agree_by_all_reduce",
+                        lambda s, r: calls.append("all-reduce") or round_of(LockstepVerdict.WAIT))
+
+    def run() -> None:
+        scale_progress.agreed_join_step(lambda r: calls.append("upstream"), runner)
+
+    return SimpleNamespace(calls=calls, state=state, run=run,
+                           agreement=gather_agreement(state))
+
+
+@pytest.mark.parametrize(("agreed", "expected"), [
+    (round_of(LockstepVerdict.WAIT), []),
+    (round_of(LockstepVerdict.NOTHING_PENDING, StepKind.NONE), ["upstream", "noted"]),
+    (round_of(LockstepVerdict.ENTER), ["skew reset", "upstream", "noted"]),
+    (round_of(LockstepVerdict.ENTER, StepKind.SHRINK, 2), ["skew reset", "shrink to 2"]),
+    (round_of(LockstepVerdict.ENTER, StepKind.LET_GO, 2), ["skew reset", "let go to 2"]),
+])
+def test_the_step_acts_on_this_passes_gathered_verdict_without_a_collective(
+    step: SimpleNamespace, agreed: AgreedRound, expected: list[str]
 ) -> None:
-    from sglang_elastic_ep.sglang import scale_progress
+    step.agreement.finish(agreed)
+    step.agreement.mark_iteration()
+    step.run()
+    assert step.calls == expected  # no "all-reduce"
 
-    monkeypatch.setattr(scale_progress.dist, "get_rank", lambda: 1)
-    monkeypatch.setenv(scale_progress.ENV_TEST_SKEW, "1:2")
-    runner = SimpleNamespace()
-    skew = scale_progress.readiness_skew(runner)
-    assert skew.passes == 2
-    monkeypatch.delenv(scale_progress.ENV_TEST_SKEW)  # later passes never read it again
-    assert scale_progress.readiness_skew(runner) is skew
-    assert scale_progress.readiness_skew(SimpleNamespace()).passes == 0  # another process
+
+@pytest.mark.parametrize(("verdict", "again"), [
+    (LockstepVerdict.ENTER, []),
+    (LockstepVerdict.WAIT, []),
+    (LockstepVerdict.NOTHING_PENDING, ["upstream"]),
+])
+def test_a_second_step_in_the_same_iteration_acts_on_nothing_new(
+    step: SimpleNamespace, verdict: LockstepVerdict, again: list[str]
+) -> None:
+    kind = StepKind.NONE if verdict is LockstepVerdict.NOTHING_PENDING else StepKind.GROW
+    step.agreement.finish(round_of(verdict, kind))
+    step.agreement.mark_iteration()
+    step.run()
+    step.calls.clear()
+    step.run()  # e.g. a draft model's forward in the same pass
+    assert step.calls == again
+
+
+def test_a_pass_without_a_gather_falls_back_by_where_state_lives(
+    step: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step.agreement.mark_iteration()  # no gather in this iteration
+    step.run()
+    assert step.calls == ["all-reduce"]  # host memory: the old per-pass all-reduce
+    step.calls.clear()
+    monkeypatch.setattr(scale_progress, "membership_state_on_host", lambda s: False)
+    step.run()
+    assert step.calls == ["upstream"]  # on a device: upstream's step, no collective added
+
+
+def test_without_the_agreement_the_step_is_upstreams(step: SimpleNamespace,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scale_progress, "lockstep_agreement_on", lambda s, p: False)
+    step.agreement.finish(round_of(LockstepVerdict.WAIT))
+    step.run()
+    assert step.calls == ["upstream"]
+
+
+def test_the_idle_step_runs_after_an_agreed_no_batch_and_marks_every_iteration(
+    step: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    runner = SimpleNamespace(maybe_join_ep_ranks=lambda: calls.append("step"))
+    sched = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner),
+                            _maybe_report_active_ranks=lambda: calls.append("report"))
+    agreement = step.agreement
+
+    def iteration(batch: Any, gathered: bool) -> None:
+        if gathered:
+            agreement.finish(round_of(LockstepVerdict.WAIT))
+        scale_progress.progress_membership_when_idle(SimpleNamespace(batch_to_run=batch), sched)
+
+    iteration(object(), gathered=True)
+    assert calls == [] and agreement.iteration_gathered
+    iteration(None, gathered=True)
+    assert calls == ["step", "report"]
+    calls.clear()
+    monkeypatch.setattr(scale_progress, "membership_state_on_host", lambda s: False)
+    iteration(None, gathered=False)
+    assert calls == [] and not agreement.iteration_gathered  # no agreed "no batch" on a device
+    monkeypatch.setattr(scale_progress, "membership_state_on_host", lambda s: True)
+    iteration(None, gathered=False)
+    assert calls == ["step", "report"]  # host memory: the fallback agrees by all-reduce

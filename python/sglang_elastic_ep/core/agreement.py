@@ -25,6 +25,12 @@ the abort key before entering.
 
 Requirement on the adapter: ``pass_id`` must be equal on all members for the same pass (keep
 a counter advanced once per forward pass and reset on all ranks at every commit).
+
+The SGLang adapter uses the simpler lockstep form at the end of this module instead: with DP
+attention every scheduler pass already all-gathers one row per rank, so each rank appends its
+:class:`Proposal` to that row (:func:`pack_row`) and every rank computes the same
+:func:`gathered_round` from the same rows, on the same pass, with no store and no added
+collective.
 """
 
 from __future__ import annotations
@@ -277,7 +283,7 @@ class RankAgreement:
 
 
 class LockstepVerdict(str, enum.Enum):
-    """What every rank does this pass, decided from the same reduced values on every rank."""
+    """What every rank does this pass, decided from the same gathered values on every rank."""
 
     NOTHING_PENDING = "nothing_pending"  # no rank sees a scale: run the normal per-pass step
     ENTER = "enter"  # every rank is ready for the same target: enter the membership step
@@ -288,9 +294,10 @@ def lockstep_verdict(max_ready: int, min_ready: int, max_target: int) -> Lockste
     """Agreement for ranks that already run in lockstep (DP attention: every pass has a
     collective). Each rank contributes ``ready`` = the scale target it is ready to enter (it sees
     the request, the joining cohort and the joiners' peer state; else 0) and the target it sees.
-    One all-reduce with MAX of ``(ready, -ready, target)`` gives every rank the same three
-    numbers, hence the same verdict: no rank enters a membership collective that another rank
-    skips on this pass, and every local check upstream makes afterwards already holds."""
+    Every rank reduces the same contributions (the rows of the DP gather, or one all-reduce with
+    MAX of ``(ready, -ready, target)``) to the same three numbers, hence the same verdict: no rank
+    enters a membership collective that another rank skips on this pass, and every local check
+    upstream makes afterwards already holds."""
     if min(max_ready, min_ready, max_target) < 0 or min_ready > max_ready:
         raise ValueError(f"bad reduced values: ready max={max_ready} min={min_ready}")
     if max_target == 0:
@@ -298,3 +305,145 @@ def lockstep_verdict(max_ready: int, min_ready: int, max_target: int) -> Lockste
     if min_ready == max_ready == max_target:
         return LockstepVerdict.ENTER
     return LockstepVerdict.WAIT
+
+
+# --------------------------------------------------------- the verdict's inputs as gather rows
+
+
+class StepKind(enum.IntEnum):
+    """The membership step a rank proposes; an integer column of its gather row."""
+
+    NONE = 0  # no change seen
+    GROW = 1  # a scale-up: upstream admits the joiners
+    SHRINK = 2  # a scale-down: the tail leaves once drained
+    LET_GO = 3  # the survivors let go of a failed tail of scale-joined ranks
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One rank's input to the verdict of one pass.
+
+    Schedulers carry no operation id, so ``(kind, serving, target)`` names the operation: the
+    step, the membership it starts from and the size it goes to. Ranks enter only when they
+    agree on all three.
+    """
+
+    rank: int  # EP rank
+    kind: StepKind
+    ready: int  # ``target`` when this rank can enter the step now, else 0
+    target: int  # the size this rank sees requested (0: none)
+    serving: int  # the EP size this rank serves on now
+
+    def __post_init__(self) -> None:
+        problem = _proposal_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+PROPOSAL_COLUMNS = 5  # member (rank + 1; 0 = no row), kind, ready, target, serving
+
+
+def _proposal_problem(p: Proposal) -> str | None:
+    if p.rank < 0 or p.serving < 1 or p.target < 0:
+        return f"rank {p.rank}: bad sizes (serving {p.serving}, target {p.target})"
+    if p.ready not in (0, p.target):
+        return f"rank {p.rank}: ready {p.ready} is neither 0 nor its target {p.target}"
+    if (p.kind is StepKind.NONE) != (p.target == 0):
+        return f"rank {p.rank}: step {p.kind.name} with target {p.target}"
+    return None
+
+
+def pack_row(proposal: Proposal, timings: Sequence[int] = ()) -> list[int]:
+    """This rank's columns of the gather: the proposal, then its own expert timings."""
+    return [proposal.rank + 1, int(proposal.kind), proposal.ready, proposal.target,
+            proposal.serving, *timings]
+
+
+def blank_row(timing_width: int) -> list[int]:
+    """The columns of a row no rank wrote (upstream's fallback row for an inactive slot)."""
+    return [0] * (PROPOSAL_COLUMNS + timing_width)
+
+
+def unpack_rows(rows: Sequence[Sequence[int]]) -> tuple[list[Proposal], str | None]:
+    """The proposals in gathered ``rows`` (rows with member 0 carry none: a slot no rank wrote,
+    or one upstream blanked as inactive), and what is wrong with the first malformed row."""
+    proposals: list[Proposal] = []
+    seen: set[int] = set()
+    for row in rows:
+        member = int(row[0])
+        if member == 0:
+            continue
+        head = [int(v) for v in row[:PROPOSAL_COLUMNS]]
+        if member < 0 or len(head) < PROPOSAL_COLUMNS:
+            return proposals, f"malformed gather row {head}"
+        try:
+            kind = StepKind(head[1])
+            proposal = Proposal(rank=member - 1, kind=kind, ready=head[2], target=head[3],
+                                serving=head[4])
+        except ValueError as exc:
+            return proposals, f"malformed gather row {head}: {exc}"
+        if proposal.rank in seen:
+            return proposals, f"two gather rows for rank {proposal.rank}"
+        seen.add(proposal.rank)
+        proposals.append(proposal)
+    return proposals, None
+
+
+@dataclass(frozen=True)
+class GatheredRound:
+    """The verdict of one pass, reached from the gathered rows alone (equal on every rank)."""
+
+    verdict: LockstepVerdict
+    proposals: tuple[Proposal, ...] = ()
+    problem: str | None = None  # why the rows forbid entering although they may look ready
+
+
+def verdict_from_proposals(proposals: Sequence[Proposal],
+                           problem: str | None = None) -> GatheredRound:
+    """:func:`lockstep_verdict` over every rank's proposal, entering only when the ranks also
+    agree on the membership they serve and on the step. ``problem`` (a malformed row) forces
+    WAIT: an unreadable row may be a rank that is not ready."""
+    found = tuple(proposals)
+    if problem is not None:
+        return GatheredRound(LockstepVerdict.WAIT, found, problem)
+    if not found:
+        return GatheredRound(LockstepVerdict.WAIT, found, "no rank's row in the gather")
+    serving = sorted({p.serving for p in found})
+    if len(serving) > 1:
+        return GatheredRound(LockstepVerdict.WAIT, found,
+                             f"ranks serve on different EP sizes {serving}")
+    readies = [p.ready for p in found]
+    verdict = lockstep_verdict(max(readies), min(readies), max(p.target for p in found))
+    kinds = sorted({p.kind.name for p in found})
+    if verdict is LockstepVerdict.ENTER and len(kinds) > 1:
+        return GatheredRound(LockstepVerdict.WAIT, found,
+                             f"ranks ready for size {found[0].target} propose steps {kinds}")
+    return GatheredRound(verdict, found)
+
+
+def gathered_round(rows: Sequence[Sequence[int]]) -> GatheredRound:
+    """The verdict from gathered rows (each starting with :data:`PROPOSAL_COLUMNS` columns)."""
+    return verdict_from_proposals(*unpack_rows(rows))
+
+
+def gathered_timings(rows: Sequence[Sequence[int]], *, slots_per_rank: int,
+                     capacity: int) -> list[int]:
+    """Every rank's expert timings as one vector, ``[ns per row..., rows...]`` over
+    ``capacity * slots_per_rank`` physical slots (zeros where no row has them): each row carries
+    its own ``slots_per_rank`` ns values then as many row counts after the proposal."""
+    total = capacity * slots_per_rank
+    ns = [0] * total
+    counts = [0] * total
+    if not slots_per_rank:
+        return ns + counts
+    for row in rows:
+        rank = int(row[0]) - 1
+        if rank < 0 or rank >= capacity:
+            continue
+        start = rank * slots_per_rank
+        own = [int(v) for v in row[PROPOSAL_COLUMNS:PROPOSAL_COLUMNS + 2 * slots_per_rank]]
+        if len(own) != 2 * slots_per_rank:
+            continue
+        ns[start:start + slots_per_rank] = own[:slots_per_rank]
+        counts[start:start + slots_per_rank] = own[slots_per_rank:]
+    return ns + counts

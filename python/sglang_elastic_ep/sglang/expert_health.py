@@ -1,8 +1,9 @@
 """Per-expert latency health on the scheduler side: gather, report, and block slow ranks.
 
-- **Gather.** Each rank's expert timings (cpu/expert_timing.py) ride along in the per-pass
-  agreement all-reduce (scale_progress): every rank fills its own physical slots, MAX gives
-  every rank all of them. No extra collective, the same on every pass.
+- **Gather.** Each rank's expert timings (cpu/expert_timing.py) ride along with the per-pass
+  membership agreement (gather_agreement): in its own row of the DP-attention gather upstream
+  runs every pass (or, on a pass without one, in the fallback all-reduce, where every rank
+  fills its own physical slots and MAX gives every rank all of them). No extra collective.
 - **Report.** Rank 0 adds them, with the first MoE layer's expert map, to its answer to
   ``GetInternalStateReq``; the HTTP process polls that and feeds the control plane's health
   monitor (``GET /elastic_ep/health``, ``recovery_required``).
@@ -44,7 +45,7 @@ class ExpertHealthState:
     keep: torch.Tensor | None = None  # 1 where a rank is not blocked (device copy of the mask)
 
     def take_gathered(self, values: list[int]) -> None:
-        """The reduced vector (every rank's share): kept for rank 0's report."""
+        """Every rank's timings, as one vector: kept for rank 0's report."""
         metadata = expert_location_metadata()
         if metadata is not None and values:
             self.gathered = (int(metadata.num_local_physical_experts), values)
@@ -84,10 +85,22 @@ def expert_health_state(state: Any) -> ExpertHealthState:
     return attached_state(state, _STATE_ATTR, ExpertHealthState)
 
 
+def own_timings(local_slots: int) -> list[int]:
+    """This rank's timings for its ``local_slots`` physical slots: [ns per row..., rows...]
+    (what its row of the gather carries)."""
+    if not local_slots:
+        return []
+    from sglang_elastic_ep.sglang.expert_timing import expert_timer
+
+    ns, rows = expert_timer().snapshot(local_slots)
+    return ns + rows
+
+
 def local_contribution(rank: int, max_ep_size: int) -> list[int]:
-    """This rank's share of the gathered vector: [ns per row..., rows...] over every physical
-    slot up to ``max_ep_size``, zeros outside this rank's own slots. Its length is the same on
-    every rank (the layout keeps slots per rank fixed), as the all-reduce needs."""
+    """This rank's share of the fallback all-reduce's vector: [ns per row..., rows...] over
+    every physical slot up to ``max_ep_size``, zeros outside this rank's own slots. Its length
+    is the same on every rank (the layout keeps slots per rank fixed), as the all-reduce
+    needs."""
     metadata = expert_location_metadata()
     local = int(metadata.num_local_physical_experts) if metadata is not None else 0
     total = max_ep_size * local

@@ -10,7 +10,7 @@ Order (RFC "Scale-Down Flow", vLLM's lesson that experts move before ranks leave
    ``--elastic-ep-drain-timeout`` with a clear error), it sends the same request again: the
    drain is confirmed. A leaving rank reports itself ready once the drain is confirmed and its
    scheduler holds no request (so no request can still be on its way to it).
-3. On the pass where every rank is ready (the lockstep agreement in ``scale_progress``), all
+3. On the pass where every rank is ready (the per-pass agreement: ``gather_agreement``), all
    ranks run ``finalize_scale_down`` together (the release itself is ``tail_release``, shared
    with the recovery of a failed tail): the expert location metadata shrinks to the
    staying ranks' slots (each rank keeps its number of physical slots, so layouts stay valid),
@@ -32,7 +32,13 @@ from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
 from sglang_elastic_ep.sglang.tail_release import release_tail
-from sglang_elastic_ep.sglang.upstream import attached_state, lockstep_agreement_on, state_manager
+from sglang_elastic_ep.sglang.upstream import (
+    attached_state,
+    dp_gather_every_pass,
+    lockstep_agreement_on,
+    membership_state_on_host,
+    state_manager,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +51,15 @@ class ScaleDownState:
     drain_confirmed: bool = False  # the HTTP process saw every request routed to leaving shards end
     committed_shrink: int | None = None  # the size the last scale-down committed to
 
-    def ready_to_shrink(self, state: Any, rank: int) -> int:
+    def ready_to_shrink(self, state: Any, rank: int, *, batch_idle: bool = True) -> int:
         """The shrink target when this rank can enter the commit now, else 0: staying ranks at
         once, a leaving rank once the HTTP process confirmed the drain (no request of its is on
-        the way) and its scheduler holds no request."""
+        the way), its scheduler holds no request, and the batch it runs this pass holds none
+        (``batch_idle``: asked before the pass's batch is the scheduler's running batch)."""
         target = state.pending_ep_size or 0
         if not target or rank < target:
             return target
-        drained = (self.drain_confirmed and self.scheduler is not None
+        drained = (self.drain_confirmed and batch_idle and self.scheduler is not None
                    and holds_no_request(self.scheduler))
         return target if drained else 0
 
@@ -81,18 +88,22 @@ def refusal(state: Any, new_ep_size: int) -> str | None:
     from sglang.srt.runtime_context import get_parallel
 
     old = state.effective_ep_size
-    if not lockstep_agreement_on(state, get_parallel()):
-        # Without the per-pass agreement the ranks could commit on different passes.
-        return ("scale-down needs the per-pass rank agreement, which this build runs only "
-                "where membership state is in host memory (the CPU engine) and with room to "
+    parallel = get_parallel()
+    # Without the per-pass agreement the ranks could commit on different passes.
+    if not lockstep_agreement_on(state, parallel):
+        return ("scale-down needs the per-pass rank agreement, which runs only with room to "
                 "grow (--max-ep-size above the launch size); not available on this deployment")
+    if not (dp_gather_every_pass(parallel) or membership_state_on_host(state)):
+        return ("scale-down needs the per-pass rank agreement, which rides on the DP-attention "
+                "gather: start with --enable-dp-attention (and without "
+                "SGLANG_SCHEDULER_SKIP_ALL_GATHER)")
     if new_ep_size < 1:
         return f"new_ep_size must be at least 1, got {new_ep_size}"
     replica = attn_replica_size()
     if new_ep_size % replica:
         return (f"new_ep_size ({new_ep_size}) would split an attention replica of {replica} "
                 "ranks: choose a multiple of it")
-    too_few = too_few_dp_ranks(bool(get_parallel().attn_dp_enabled), new_ep_size, replica)
+    too_few = too_few_dp_ranks(bool(parallel.attn_dp_enabled), new_ep_size, replica)
     if too_few is not None:
         return too_few
     if state_manager().is_scaling():

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from sglang_elastic_ep.core.membership import failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
+from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
 from sglang_elastic_ep.sglang.upstream import (
     RECOVERY_UNSUPPORTED,
@@ -73,8 +74,12 @@ def tail_recovery_state(state: Any) -> TailRecoveryState:
 def _live_mask(state: Any) -> list[int]:
     # Mooncake clears a rank in active_ranks when it stops answering; the host copy lags until
     # the next sync. Either one marks the rank failed (upstream's recovery reads both the same
-    # way). The state is in host memory here (the lockstep agreement's precondition).
-    live = state.active_ranks.tolist()
+    # way). active_ranks is read through its host mirror: on a GPU the mirror folds in an
+    # asynchronous copy (a pass or two late) instead of waiting for the device.
+    mirror = mirror_of(state)
+    mirror.poll_refresh()
+    mirror.refresh_async()
+    live = mirror.as_list()
     host = state.active_ranks_cpu.tolist() if state.active_ranks_cpu is not None else live
     return [int(a and b) for a, b in zip(live, host, strict=True)]
 
@@ -234,7 +239,8 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
 def gather_masks_expanded_world(
     original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool = False
 ) -> Any:
-    """AROUND ``dp_attn.MLPSyncBatchInfo.all_gather``: upstream blanks the rows of inactive
+    """Upstream's ``dp_attn.MLPSyncBatchInfo.all_gather`` with WORLD's mask (called by its hook,
+    ``gather_agreement.gather_with_agreement``): upstream blanks the rows of inactive
     ranks with the launch-time TP group's mask, which has no entry for a rank that joined by
     scale-up. Over the expanded WORLD (``use_all_reduce``) the mask is WORLD's own
     (``ElasticEPState.active_ranks``, which Mooncake clears when a rank dies). Seen without it:
@@ -248,7 +254,10 @@ def gather_masks_expanded_world(
     tp_group = get_parallel().tp_group
     saved = (tp_group.active_ranks, tp_group.active_ranks_cpu)
     world = state.active_ranks
-    tp_group.active_ranks_cpu = world if world.device.type == "cpu" else world.cpu()
+    # Upstream masks with active_ranks_cpu only when the gather runs on the host, where WORLD's
+    # mask is that host tensor; elsewhere it reads the device mask, and the host copy is never
+    # read (so no device-to-host copy of it either).
+    tp_group.active_ranks_cpu = world if world.device.type == "cpu" else state.active_ranks_cpu
     tp_group.active_ranks = world
     try:
         return original(info, device, group, use_all_reduce)

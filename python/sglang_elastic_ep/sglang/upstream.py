@@ -61,12 +61,10 @@ def expert_location_metadata() -> Any:
 
 
 def lockstep_agreement_on(state: Any, parallel: Any) -> bool:
-    """The per-pass agreement runs where it costs nothing on the hot path: an elastic deployment
-    with room to grow whose membership state lives on the CPU (the CPU engine; one tiny host
-    all-reduce per pass). On GPUs the same all-reduce would add a device collective and a host
-    sync to every forward, so there upstream's behaviour is kept until the store-based agreement
-    (``core.agreement.RankAgreement``, no collective) is wired in."""
-    if state is None or state.active_ranks is None or state.active_ranks.device.type != "cpu":
+    """The per-pass agreement runs in an elastic deployment with room to grow, on any device: its
+    inputs ride in the DP-attention gather upstream runs every pass (``gather_agreement``), so it
+    adds no collective and no host sync."""
+    if state is None or state.active_ranks is None:
         return False
     return bool(parallel.max_ep_size and parallel.max_ep_size > parallel.tp_size)
 
@@ -79,3 +77,20 @@ def attached_state(owner: Any, attr: str, factory: Callable[[], T]) -> T:
         found = factory()
         setattr(owner, attr, found)
     return found
+
+
+def membership_state_on_host(state: Any) -> bool:
+    """Whether upstream keeps the membership state in host memory (the CPU engine). Only there
+    may a pass that runs no DP gather agree by its own all-reduce (a host collective); on GPUs
+    that would add a device collective and a host sync, so such passes keep upstream's step."""
+    return state.active_ranks.device.type == "cpu"
+
+
+def dp_gather_every_pass(parallel: Any) -> bool:
+    """Whether every scheduler pass runs the DP-attention gather that carries the agreement
+    (attention DP on, and not turned off with ``SGLANG_SCHEDULER_SKIP_ALL_GATHER``)."""
+    if not parallel.attn_dp_enabled:
+        return False
+    from sglang.srt.environ import envs
+
+    return not envs.SGLANG_SCHEDULER_SKIP_ALL_GATHER.get()

@@ -1,10 +1,22 @@
-"""Lockstep agreement: all ranks reach one verdict from the same reduced values."""
+"""Lockstep agreement: all ranks reach one verdict from the same reduced or gathered values."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_elastic_ep.core.agreement import LockstepVerdict, lockstep_verdict
+from sglang_elastic_ep.core.agreement import (
+    PROPOSAL_COLUMNS,
+    LockstepVerdict,
+    Proposal,
+    StepKind,
+    blank_row,
+    gathered_round,
+    gathered_timings,
+    lockstep_verdict,
+    pack_row,
+    unpack_rows,
+    verdict_from_proposals,
+)
 
 
 def simulate(seen_at: list[int], target: int, passes: int) -> list[list[LockstepVerdict]]:
@@ -41,3 +53,80 @@ def test_pending_but_joiner_not_ready_everywhere_waits() -> None:
     # nobody ready yet
     assert lockstep_verdict(0, 0, 3) is LockstepVerdict.WAIT
     assert lockstep_verdict(3, 3, 3) is LockstepVerdict.ENTER
+
+
+# ------------------------------------------------------- the verdict's inputs as gather rows
+
+def grow(rank: int, ready: bool, target: int = 3, serving: int = 2) -> Proposal:
+    return Proposal(rank=rank, kind=StepKind.GROW, ready=target if ready else 0, target=target,
+                    serving=serving)
+
+
+def idle(rank: int, serving: int = 2) -> Proposal:
+    return Proposal(rank=rank, kind=StepKind.NONE, ready=0, target=0, serving=serving)
+
+
+def test_a_row_packs_and_unpacks_and_blank_rows_carry_no_proposal() -> None:
+    p = grow(1, ready=True)
+    row = pack_row(p, [11, 12, 5, 6])
+    assert row[:PROPOSAL_COLUMNS] == [2, int(StepKind.GROW), 3, 3, 2]
+    assert row[PROPOSAL_COLUMNS:] == [11, 12, 5, 6]
+    assert len(blank_row(4)) == len(row) and not any(blank_row(4))
+    found, problem = unpack_rows([blank_row(4), row, blank_row(4)])
+    assert found == [p] and problem is None
+
+
+def test_rows_reach_the_verdicts_of_the_reduced_values() -> None:
+    def verdict(*proposals: Proposal) -> LockstepVerdict:
+        return gathered_round([pack_row(p) for p in proposals]).verdict
+
+    assert verdict(idle(0), idle(1)) is LockstepVerdict.NOTHING_PENDING
+    assert verdict(grow(0, True), grow(1, True)) is LockstepVerdict.ENTER
+    assert verdict(grow(0, True), grow(1, False)) is LockstepVerdict.WAIT
+    assert verdict(grow(0, True), idle(1)) is LockstepVerdict.WAIT  # rank 1 saw no request yet
+    assert verdict(grow(0, True)) is LockstepVerdict.ENTER  # a single rank agrees with itself
+
+
+@pytest.mark.parametrize("skew", [0, 1, 3])
+def test_gathered_rows_enter_together_on_one_pass(skew: int) -> None:
+    seen_at = [2, 2 + skew, 2]
+    history = []
+    for p in range(10):
+        rows = [pack_row(grow(r, ready=p >= s) if p >= s else idle(r))
+                for r, s in enumerate(seen_at)]
+        history.append(gathered_round(rows).verdict)
+    assert history.index(LockstepVerdict.ENTER) == 2 + skew
+    assert history[:2] == [LockstepVerdict.NOTHING_PENDING] * 2
+
+
+def test_ranks_enter_only_when_they_agree_on_the_membership_and_the_step() -> None:
+    split = verdict_from_proposals([grow(0, True), grow(1, True, serving=3)])
+    assert split.verdict is LockstepVerdict.WAIT and "different EP sizes [2, 3]" in split.problem
+    mixed = [Proposal(rank=0, kind=StepKind.SHRINK, ready=2, target=2, serving=3),
+             Proposal(rank=1, kind=StepKind.LET_GO, ready=2, target=2, serving=3)]
+    outcome = verdict_from_proposals(mixed)
+    assert outcome.verdict is LockstepVerdict.WAIT and "LET_GO" in outcome.problem
+    assert verdict_from_proposals([]).verdict is LockstepVerdict.WAIT
+
+
+def test_malformed_rows_make_every_rank_wait_instead_of_raising() -> None:
+    good = pack_row(grow(0, True))
+    for bad in ([2, 9, 3, 3, 2],  # no such step
+                [2, int(StepKind.GROW), 1, 3, 2],  # ready is neither 0 nor the target
+                [2, int(StepKind.NONE), 0, 3, 2],  # a target without a step
+                [-5, 0, 0, 0, 0]):
+        outcome = gathered_round([good, bad])
+        assert outcome.verdict is LockstepVerdict.WAIT and outcome.problem
+    twice = gathered_round([good, good])
+    assert twice.verdict is LockstepVerdict.WAIT and "two gather rows" in twice.problem
+    with pytest.raises(ValueError):
+        Proposal(rank=0, kind=StepKind.GROW, ready=1, target=3, serving=2)
+
+
+def test_each_rows_timings_land_in_its_own_slots() -> None:
+    rows = [pack_row(idle(1), [10, 20, 1, 2]), blank_row(4), pack_row(idle(0), [30, 40, 3, 4])]
+    assert gathered_timings(rows, slots_per_rank=2, capacity=3) == [
+        30, 40, 10, 20, 0, 0,  # ns per row, slots of ranks 0, 1, 2
+        3, 4, 1, 2, 0, 0,  # rows
+    ]
+    assert gathered_timings(rows, slots_per_rank=0, capacity=3) == []

@@ -1,0 +1,363 @@
+"""The per-pass rank agreement, carried in the DP-attention gather SGLang already runs.
+
+With DP attention every scheduler pass all-gathers one row of batch metadata per rank
+(``dp_attn.prepare_mlp_sync_batch_raw`` -> ``MLPSyncBatchInfo.all_gather``; over the expanded
+WORLD after a scale-up). Each rank appends its membership proposal
+(:class:`~sglang_elastic_ep.core.agreement.Proposal`: step, ready, target, serving size) and its
+own expert timings to its row. After the gather every rank holds the same rows, so every rank
+reaches the same verdict (:func:`~sglang_elastic_ep.core.agreement.gathered_round`) on the same
+pass, and ``scale_progress.agreed_join_step`` acts on it later in that pass.
+
+Nothing is added to the pass on any device: the columns come from host state, are appended to
+upstream's row on the host and travel in the same host-to-device copy as the row itself; the
+verdict is read from the host copy of the gathered rows that upstream makes anyway
+(``global_info_tensor.cpu()`` in ``all_gather``).
+
+Where a pass runs no gather (no DP attention, a single DP rank, or
+``SGLANG_SCHEDULER_SKIP_ALL_GATHER``), :func:`agree_by_all_reduce` is the fallback where
+membership state is in host memory, and upstream's own step elsewhere (docs/design.md,
+"Agreement on the DP gather").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sglang_elastic_ep.core.agreement import (
+    GatheredRound,
+    LockstepVerdict,
+    Proposal,
+    StepKind,
+    gathered_round,
+    gathered_timings,
+    lockstep_verdict,
+    pack_row,
+)
+from sglang_elastic_ep.sglang import expert_health, tail_recovery
+from sglang_elastic_ep.sglang.scale_down import is_shrink, scale_down_state
+from sglang_elastic_ep.sglang.upstream import (
+    elastic_state,
+    expert_location_metadata,
+    lockstep_agreement_on,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgreedRound:
+    """One pass's verdict with this rank's own proposal (the step it enters on ENTER)."""
+
+    outcome: GatheredRound
+    proposal: Proposal
+
+    @property
+    def verdict(self) -> LockstepVerdict:
+        return self.outcome.verdict
+
+
+@dataclass
+class GatherAgreement:
+    """This scheduler process's side of the agreement (one per process: ``gather_agreement``).
+
+    A gather produces a round (``fresh``); the first membership step after it takes it. The
+    scheduler's iteration mark (after ``get_next_batch_to_run``, once per loop iteration) tells
+    a later call in the same iteration (a draft model's forward) from a pass with no gather.
+    """
+
+    runner: Any = None  # this pass's model runner, while upstream prepares the gather
+    batch_idle: bool = True  # this rank's batch for the pass holds no request
+    outgoing: list[int] | None = None  # this rank's columns, while its row is built and gathered
+    upstream_width: int = 0  # upstream's columns in this gather's rows
+    fresh: AgreedRound | None = None  # decided by the last gather, not yet acted on
+    last: AgreedRound | None = None  # the round acted on last
+    iteration_gathered: bool = False  # the current loop iteration produced a round
+    gathered_since_mark: bool = False
+    reported: set[str] = field(default_factory=set)
+
+    def finish(self, agreed: AgreedRound) -> None:
+        self.fresh = agreed
+        self.gathered_since_mark = True
+        if agreed.outcome.problem is not None:
+            self.report_once(f"membership agreement: {agreed.outcome.problem}; waiting")
+
+    def take(self) -> AgreedRound | None:
+        """This pass's round, once; None if it was taken already or no gather produced one."""
+        agreed, self.fresh = self.fresh, None
+        if agreed is not None:
+            self.last = agreed
+        return agreed
+
+    def mark_iteration(self) -> bool:
+        """Called once per scheduler loop iteration, after its gathers: whether they produced a
+        round. A round left over from an iteration without a gather is dropped."""
+        gathered, self.gathered_since_mark = self.gathered_since_mark, False
+        self.iteration_gathered = gathered
+        if not gathered:
+            self.fresh = None
+        return gathered
+
+    def repeat_verdict(self) -> LockstepVerdict | None:
+        """For a second membership step in an iteration whose round was taken: that round's
+        verdict (None: no round this iteration)."""
+        if not self.iteration_gathered or self.last is None:
+            return None
+        return self.last.verdict
+
+    def report_once(self, message: str) -> None:
+        if message not in self.reported:
+            self.reported.add(message)
+            logger.error("[elastic-ep] %s", message)
+
+
+_STATE_ATTR = "_elastic_ep_gather_agreement"
+
+
+def gather_agreement(state: Any) -> GatherAgreement:
+    """The agreement kept on upstream's per-process ``ElasticEPState`` ``state``; built on first
+    use."""
+    agreement = getattr(state, _STATE_ATTR, None)
+    if agreement is None:
+        agreement = GatherAgreement()
+        setattr(state, _STATE_ATTR, agreement)
+    return agreement
+
+
+def _agreement_in_gather() -> GatherAgreement | None:
+    """The agreement while this rank's row is being built and gathered, else None (per-row hot
+    path: attribute reads only)."""
+    state = elastic_state()
+    agreement = getattr(state, _STATE_ATTR, None) if state is not None else None
+    if agreement is None or agreement.outgoing is None:
+        return None
+    return agreement
+
+
+# ------------------------------------------------------------------------ this rank's inputs
+
+
+def _ready_target(state: Any, target: int) -> int:
+    """``target`` when this rank could admit the joiners now, else 0: it sees the request, the
+    joining cohort in the store, and every joiner's Mooncake peer state (the local checks
+    upstream makes inside ``maybe_join_ep_ranks``)."""
+    if not target:
+        return 0
+    from sglang.srt.elastic_ep.elastic_ep import get_scale_cohort
+
+    effective = state.effective_ep_size
+    cohort = get_scale_cohort(effective)
+    if cohort is None or cohort.target_ep_size != target:
+        # a mismatching cohort is upstream's to report: let every rank enter and fail it
+        return target if cohort is not None else 0
+    from mooncake.pg import get_peer_state
+
+    joining = list(range(effective, target))
+    return target if all(get_peer_state(dist.group.WORLD, joining)) else 0
+
+
+ENV_TEST_SKEW = "SGLANG_EEP_TEST_SKEW_PASSES"
+
+
+class ReadinessSkew:
+    """Test-only fault injection (``SGLANG_EEP_TEST_SKEW_PASSES=<rank>:<passes>``): that rank
+    reports a scale as ready only ``passes`` passes after it could, as if it saw the change
+    late. The agreement must then hold the other ranks (serving) until it catches up."""
+
+    @classmethod
+    def from_environment(cls, rank: int) -> ReadinessSkew:
+        """The knob as the server's environment set it before start (read once, not per pass)."""
+        return cls(os.environ.get(ENV_TEST_SKEW), rank)
+
+    def __init__(self, spec: str | None, rank: int) -> None:
+        self.passes = 0
+        if spec:
+            target_rank, _, passes = spec.partition(":")
+            if int(target_rank) == rank:
+                self.passes = int(passes)
+        self.rank = rank
+        self._held: dict[int, int] = {}  # target -> passes held back so far
+
+    def entered(self) -> None:
+        """The ranks entered a change: the next change is late again (a recovery re-admits
+        into the same size a scale-up reached before)."""
+        self._held.clear()
+
+    def apply(self, ready: int) -> int:
+        if not self.passes or not ready:
+            return ready
+        held = self._held.get(ready, 0)
+        if held < self.passes:
+            self._held[ready] = held + 1
+            logger.info("[elastic-ep] test skew: rank %d holds back readiness for size %d "
+                        "(pass %d of %d)", self.rank, ready, held + 1, self.passes)
+            return 0
+        return ready
+
+
+_SKEW_ATTR = "_elastic_ep_readiness_skew"
+
+
+def readiness_skew(runner: Any) -> ReadinessSkew:
+    """This rank's skew, built on first use and kept on its model runner (one per process), so
+    the per-pass step reads an attribute, not the environment."""
+    skew = getattr(runner, _SKEW_ATTR, None)
+    if skew is None:
+        skew = ReadinessSkew.from_environment(dist.get_rank())
+        setattr(runner, _SKEW_ATTR, skew)
+    return skew
+
+
+def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
+    """This rank's proposal for the pass, from host state only: a scale up or down, or letting
+    go of a failed tail of scale-joined ranks (``tail_recovery``). ``batch_idle``: this rank's
+    batch for the pass holds no request (a leaving rank is ready only then)."""
+    tail_recovery.request_return_when_replacement_registered(state)
+    rank = runner._elastic_global_rank()
+    target = state.pending_ep_size or 0
+    let_go = 0 if target else tail_recovery.contraction_target(state, runner)
+    if let_go:  # every survivor is ready as soon as it sees the failure
+        kind, target, ready = StepKind.LET_GO, let_go, let_go
+    elif target and is_shrink(state):  # a scale-down: leaving ranks wait until they hold none
+        kind = StepKind.SHRINK
+        ready = scale_down_state(state).ready_to_shrink(state, rank, batch_idle=batch_idle)
+    elif target:
+        kind, ready = StepKind.GROW, _ready_target(state, target)
+    else:
+        kind, ready = StepKind.NONE, 0
+    ready = readiness_skew(runner).apply(ready)
+    return Proposal(rank=rank, kind=kind, ready=ready, target=target,
+                    serving=int(state.effective_ep_size))
+
+
+def _slots_per_rank() -> int:
+    metadata = expert_location_metadata()
+    return int(metadata.num_local_physical_experts) if metadata is not None else 0
+
+
+# ------------------------------------------------------------------- hooks on upstream's gather
+
+
+def bracket_mlp_sync(original: Any, local_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``dp_attn.prepare_mlp_sync_batch_raw``: hands the pass's model runner and whether
+    this rank's batch holds a request to the gather inside it (``all_gather`` receives
+    neither)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    state = elastic_state()
+    if not lockstep_agreement_on(state, get_parallel()):
+        return original(local_batch, *args, **kwargs)
+    agreement = gather_agreement(state)
+    agreement.runner = kwargs["model_runner"] if "model_runner" in kwargs else args[0]
+    agreement.batch_idle = local_batch is None or not getattr(local_batch, "reqs", None)
+    try:
+        return original(local_batch, *args, **kwargs)
+    finally:
+        agreement.runner = None
+
+
+def gather_with_agreement(
+    original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool = False
+) -> Any:
+    """AROUND ``dp_attn.MLPSyncBatchInfo.all_gather``: this rank's proposal rides in its row
+    (``append_agreement_columns``); after the gather every rank reads the verdict from the same
+    rows. The expanded-WORLD masking is ``tail_recovery.gather_masks_expanded_world``."""
+    state = elastic_state()
+    agreement = getattr(state, _STATE_ATTR, None) if state is not None else None
+    if agreement is None or agreement.runner is None:
+        return tail_recovery.gather_masks_expanded_world(original, info, device, group,
+                                                         use_all_reduce)
+    proposal = propose(state, agreement.runner, batch_idle=agreement.batch_idle)
+    slots = _slots_per_rank()
+    columns = pack_row(proposal, expert_health.own_timings(slots))
+    agreement.outgoing = columns
+    agreement.upstream_width = 0
+    try:
+        result = tail_recovery.gather_masks_expanded_world(original, info, device, group,
+                                                           use_all_reduce)
+    finally:
+        agreement.outgoing = None
+    if not agreement.upstream_width:
+        # The row hook did not run (the columns never left this rank): no round. Every rank
+        # runs the same hooks, so all of them take the no-gather path alike.
+        agreement.report_once("the gather ran without the agreement's columns")
+        return result
+    rows = gathered_columns(info, agreement.upstream_width, len(columns))
+    expert_health.expert_health_state(state).take_gathered(
+        gathered_timings(rows, slots_per_rank=slots, capacity=int(state.active_ranks.numel())))
+    agreement.finish(AgreedRound(gathered_round(rows), proposal))
+    return result
+
+
+def _extended(base: torch.Tensor, columns: list[int], device: Any) -> torch.Tensor:
+    # Appended on the host: the row still reaches the device in one copy, as upstream's does.
+    extra = torch.tensor(columns, dtype=base.dtype)
+    return torch.cat((base, extra)).to(device)
+
+
+def append_agreement_columns(
+    original: Any, info: Any, device: Any, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """AROUND ``MLPSyncBatchInfo._get_local_tensor``: during the agreement's gather this rank's
+    row ends with its proposal and expert timings."""
+    agreement = _agreement_in_gather()
+    if agreement is None:
+        return original(info, device=device, dtype=dtype)
+    base = original(info, device="cpu", dtype=dtype)
+    agreement.upstream_width = int(base.numel())
+    return _extended(base, agreement.outgoing, device)
+
+
+def append_blank_columns(
+    original: Any, info: Any, device: Any, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """AROUND ``MLPSyncBatchInfo._get_fallback_tensor``: the fallback row (every slot's start
+    value, and the row of an inactive rank) gets zero columns: no proposal."""
+    agreement = _agreement_in_gather()
+    if agreement is None:
+        return original(info, device=device, dtype=dtype)
+    base = original(info, device="cpu", dtype=dtype)
+    return _extended(base, [0] * len(agreement.outgoing), device)
+
+
+def gathered_columns(info: Any, upstream_width: int, width: int) -> list[list[int]]:
+    """Every gathered row's agreement columns (``width`` after upstream's ``upstream_width``).
+
+    Upstream keeps the host copy of the whole gather only through ``tp0_info_cpu``, the
+    attention-TP-rank-0 view of it (``global_info_tensor.cpu()[:, 0, :]``); the rows of other
+    attention-TP ranks are in the same storage. Reading them there touches no device.
+    """
+    view = info.tp0_info_cpu
+    total = upstream_width + width
+    rows = int(info.num_dp_ranks) * int(info.tp_size) * int(info.cp_size)
+    if view is None or view.device.type != "cpu" or view.dim() != 2 or view.shape[1] != total:
+        raise RuntimeError(f"unexpected gathered rows: {None if view is None else view.shape} "
+                           f"on {None if view is None else view.device}, expected "
+                           f"[{int(info.num_dp_ranks)}, {total}] in host memory")
+    needed = (view.storage_offset() + rows * total) * view.element_size()
+    if view.untyped_storage().nbytes() < needed:
+        raise RuntimeError(f"the gathered rows' host copy holds fewer than {rows} rows")
+    full = view.as_strided((rows, total), (total, 1), view.storage_offset())
+    return full[:, upstream_width:].tolist()
+
+
+# ------------------------------------------------------------------ fallback: no gather to use
+
+
+def agree_by_all_reduce(state: Any, runner: Any) -> AgreedRound:
+    """The verdict from one MAX all-reduce of ``(ready, -ready, target, timings...)`` over WORLD,
+    for passes that run no gather. Only where membership state is in host memory (the CPU
+    engine; a host all-reduce), which is where it ran before the gather carried the agreement."""
+    proposal = propose(state, runner, batch_idle=True)
+    timings = expert_health.local_contribution(proposal.rank, int(state.active_ranks.numel()))
+    reduced = torch.tensor([proposal.ready, -proposal.ready, proposal.target, *timings],
+                           dtype=torch.int64)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    expert_health.expert_health_state(state).take_gathered(reduced[3:].tolist())
+    verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
+    return AgreedRound(GatheredRound(verdict, (proposal,)), proposal)

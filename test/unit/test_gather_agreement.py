@@ -1,0 +1,356 @@
+"""The membership agreement carried in upstream's DP gather (sglang/gather_agreement.py), on
+tensors shaped and placed as ``MLPSyncBatchInfo.all_gather`` makes them, without SGLang."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_elastic_ep.core.agreement import (
+    LockstepVerdict,
+    Proposal,
+    StepKind,
+    gathered_round,
+    pack_row,
+)
+from sglang_elastic_ep.sglang import expert_health, gather_agreement, tail_recovery
+from sglang_elastic_ep.sglang.gather_agreement import GatherAgreement
+from sglang_elastic_ep.sglang.gather_agreement import gather_agreement as ga_of
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="torch.cuda.is_available() is False: no GPU here, the cuda case is not run")),
+]
+UPSTREAM_WIDTH = 11  # MLPSyncBatchInfo's own columns in SGLang 0.5.23
+IDLE_MODE = 9  # stands in for ForwardMode.IDLE (never 0 in upstream's rows)
+
+
+def upstream_row(info: Any, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Shaped like ``MLPSyncBatchInfo._get_local_tensor`` (one device copy of host values)."""
+    return torch.tensor([info.num_tokens, info.num_tokens, 1, 0, 1, IDLE_MODE, 0, 0, 1, 0, 0],
+                        device=device, dtype=dtype)
+
+
+def upstream_fallback(info: Any, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.tensor([0, 0, 1, 0, 1, IDLE_MODE, 0, 0, 1, 0, 0], device=device, dtype=dtype)
+
+
+class Info(SimpleNamespace):
+    """An ``MLPSyncBatchInfo`` whose row builders go through our hooks, as HookRegistry's
+    AROUND wrappers do."""
+
+    def _get_local_tensor(self, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return gather_agreement.append_agreement_columns(upstream_row, self, device=device,
+                                                         dtype=dtype)
+
+    def _get_fallback_tensor(self, device: Any, dtype: torch.dtype = torch.int64
+                             ) -> torch.Tensor:
+        return gather_agreement.append_blank_columns(upstream_fallback, self, device=device,
+                                                     dtype=dtype)
+
+
+def info(num_dp_ranks: int, tp_size: int = 1, num_tokens: int = 0) -> Info:
+    return Info(num_dp_ranks=num_dp_ranks, tp_size=tp_size, cp_size=1, num_tokens=num_tokens,
+                tp0_info_cpu=None)
+
+
+def all_reduce_gather(rows: dict[int, torch.Tensor], fallback: torch.Tensor, sync: Info,
+                      active: list[int]) -> None:
+    """Upstream's ``use_all_reduce`` path on one machine: each rank writes only its own slot of a
+    zeroed buffer and the SUM all-reduce adds them; slots no rank wrote and inactive ranks' slots
+    get the fallback row; one host copy of the whole buffer, viewed at attention-TP rank 0."""
+    width = fallback.numel()
+    buffer = fallback.repeat(sync.num_dp_ranks, sync.tp_size * sync.cp_size, 1)
+    buffer.zero_()
+    flat = buffer.view(-1, width)
+    for rank, row in rows.items():
+        flat[rank] += row
+    flat[flat.abs().sum(dim=1) == 0] = fallback
+    mask = torch.tensor(active, device=fallback.device)
+    flat[mask[: flat.shape[0]] == 0] = fallback
+    sync.tp0_info_cpu = buffer.cpu()[:, 0, :]
+
+
+@pytest.fixture
+def ranks(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[SimpleNamespace]]:
+    """Per-rank fake ``ElasticEPState``s in one process; ``elastic_state()`` answers for the
+    rank set in ``current``."""
+    current = {"rank": 0}
+    states: list[SimpleNamespace] = []
+
+    def make(n: int) -> list[SimpleNamespace]:
+        states[:] = [SimpleNamespace(active_ranks=torch.ones(n, dtype=torch.int32))
+                     for _ in range(n)]
+        return states
+
+    monkeypatch.setattr(gather_agreement, "elastic_state", lambda: states[current["rank"]])
+    make.current = current
+    return make
+
+
+def build_row(ranks: Any, rank: int, proposal: Proposal, device: str, timings: list[int],
+              num_dp_ranks: int) -> tuple[torch.Tensor, torch.Tensor, GatherAgreement]:
+    """Rank ``rank`` builds its row and the fallback row through the hooks."""
+    ranks.current["rank"] = rank
+    agreement = ga_of(gather_agreement.elastic_state())
+    agreement.outgoing = pack_row(proposal, timings)
+    sync = info(num_dp_ranks)
+    row = sync._get_local_tensor(device=device)
+    fallback = sync._get_fallback_tensor(device=device)
+    agreement.outgoing = None
+    return row, fallback, agreement
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_columns_ride_in_the_row_and_come_back_from_the_host_copy(ranks: Any,
+                                                                      device: str) -> None:
+    ranks(3)
+    proposals = [Proposal(rank=r, kind=StepKind.GROW, ready=3, target=3, serving=2)
+                 for r in range(2)]
+    rows, fallback = {}, None
+    for rank, proposal in enumerate(proposals):
+        row, fallback, agreement = build_row(ranks, rank, proposal, device, [rank + 10, 7], 3)
+        assert row.device.type == device and agreement.upstream_width == UPSTREAM_WIDTH
+        rows[rank] = row
+    assert fallback is not None and not fallback[UPSTREAM_WIDTH:].any()
+    sync = info(3)
+    all_reduce_gather(rows, fallback, sync, active=[1, 1, 1])
+    assert sync.tp0_info_cpu[:, 0].tolist() == [0, 0, 0]  # upstream's own columns unchanged
+    columns = gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, 5 + 2)
+    assert columns[2] == [0] * 7  # slot 2: nobody wrote it
+    assert columns[0] == pack_row(proposals[0], [10, 7])
+    assert gathered_round(columns).verdict is LockstepVerdict.ENTER
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_every_attention_tp_rank_are_read_not_only_tp0(ranks: Any, device: str) -> None:
+    ranks(4)
+    sync = info(2, tp_size=2)  # 2 DP ranks x 2 attention-TP ranks: 4 rows, tp0 view shows 2
+    rows, fallback = {}, None
+    for rank in range(4):
+        ready = 0 if rank == 3 else 4  # the attention-TP rank 1 of DP rank 1 is not ready
+        proposal = Proposal(rank=rank, kind=StepKind.GROW, ready=ready, target=4, serving=4)
+        rows[rank], fallback, _ = build_row(ranks, rank, proposal, device, [], 2)
+    all_reduce_gather(rows, fallback, sync, active=[1, 1, 1, 1])
+    columns = gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, 5)
+    assert [c[0] for c in columns] == [1, 2, 3, 4]
+    assert gathered_round(columns).verdict is LockstepVerdict.WAIT
+
+
+def verdicts_over_passes(ranks: Any, device: str) -> list[LockstepVerdict]:
+    """Three ranks; rank 1 sees a scale-up two passes late, rank 2 dies at pass 6 (its slot is
+    masked inactive) and the survivors let it go. One verdict per pass, checked equal on all."""
+    ranks(3)
+    out = []
+    for p in range(9):
+        rows, fallback = {}, None
+        active = [1, 1, 0] if p >= 6 else [1, 1, 1]
+        for rank in range(3):
+            if p >= 6:
+                if rank == 2:
+                    continue  # dead: writes nothing
+                proposal = Proposal(rank=rank, kind=StepKind.LET_GO, ready=2, target=2,
+                                    serving=3)
+            elif p >= (4 if rank == 1 else 2):
+                proposal = Proposal(rank=rank, kind=StepKind.GROW, ready=4, target=4, serving=3)
+            else:
+                proposal = Proposal(rank=rank, kind=StepKind.NONE, ready=0, target=0, serving=3)
+            rows[rank], fallback, _ = build_row(ranks, rank, proposal, device, [p, rank], 3)
+        seen = []
+        for _reader in range(3):  # every rank reads the same gathered rows
+            sync = info(3)
+            all_reduce_gather(rows, fallback, sync, active)
+            seen.append(gathered_round(
+                gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, 7)).verdict)
+        assert len(set(seen)) == 1
+        out.append(seen[0])
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_same_verdicts_come_out_on_every_device(ranks: Any, device: str) -> None:
+    N, W, E = LockstepVerdict.NOTHING_PENDING, LockstepVerdict.WAIT, LockstepVerdict.ENTER
+    expected = [N, N, W, W, E, E, E, E, E]
+    assert verdicts_over_passes(ranks, device) == expected
+    if device != "cpu":
+        assert verdicts_over_passes(ranks, "cpu") == expected
+
+
+def test_rows_pass_through_unchanged_outside_the_agreements_gather(ranks: Any) -> None:
+    ranks(2)
+    sync = info(2, num_tokens=5)
+    assert sync._get_local_tensor(device="cpu").tolist() == upstream_row(sync, "cpu").tolist()
+    ga_of(gather_agreement.elastic_state())  # exists, but no gather in progress
+    assert sync._get_fallback_tensor(device="cpu").numel() == UPSTREAM_WIDTH
+
+
+def test_a_layout_the_reader_does_not_know_fails_loudly(ranks: Any) -> None:
+    sync = info(2)
+    sync.tp0_info_cpu = torch.zeros(2, UPSTREAM_WIDTH + 3, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="unexpected gathered rows"):
+        gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, 5)
+
+
+# ------------------------------------------------------- the gather hook and the state machine
+
+
+def test_the_gather_hook_leaves_a_round_for_this_pass_and_the_timings(
+    ranks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    states = ranks(2)
+    mine = Proposal(rank=0, kind=StepKind.GROW, ready=3, target=3, serving=2)
+    peer = Proposal(rank=1, kind=StepKind.GROW, ready=3, target=3, serving=2)
+    monkeypatch.setattr(gather_agreement, "propose", lambda state, runner, batch_idle: mine)
+    monkeypatch.setattr(gather_agreement, "_slots_per_rank", lambda: 1)
+    monkeypatch.setattr(expert_health, "own_timings", lambda slots: [100, 4])
+    monkeypatch.setattr(expert_health, "expert_location_metadata",
+                        lambda: SimpleNamespace(num_local_physical_experts=1))
+    monkeypatch.setattr(tail_recovery, "state_manager",
+                        lambda: SimpleNamespace(instance=lambda: None))
+
+    def upstream_all_gather(sync: Info, device: Any, group: Any, use_all_reduce: bool) -> None:
+        row = sync._get_local_tensor(device=device)
+        fallback = sync._get_fallback_tensor(device=device)
+        peer_row = torch.cat((upstream_fallback(sync, device),
+                              torch.tensor(pack_row(peer, [200, 6]))))
+        all_reduce_gather({0: row, 1: peer_row}, fallback, sync, active=[1, 1])
+
+    agreement = ga_of(states[0])
+    agreement.runner = object()
+    sync = info(2)
+    gather_agreement.gather_with_agreement(upstream_all_gather, sync, "cpu", None, True)
+    assert agreement.outgoing is None
+    assert agreement.fresh is not None and agreement.fresh.verdict is LockstepVerdict.ENTER
+    assert agreement.fresh.proposal == mine
+    health = expert_health.expert_health_state(states[0])
+    assert health.gathered == (1, [100, 200, 4, 6])
+    # Without a bracketed pass (no runner) the hook is upstream's gather, rows unchanged.
+    agreement.runner, agreement.fresh = None, None
+    widths: list[int] = []
+
+    def plain_all_gather(sync: Info, device: Any, group: Any, use_all_reduce: bool) -> None:
+        widths.append(sync._get_local_tensor(device=device).numel())
+
+    gather_agreement.gather_with_agreement(plain_all_gather, info(2), "cpu", None, False)
+    assert widths == [UPSTREAM_WIDTH] and agreement.fresh is None
+
+
+def test_one_round_per_pass_a_second_step_repeats_it_and_old_rounds_expire() -> None:
+    agreement = GatherAgreement()
+    enter = gather_agreement.AgreedRound(
+        gathered_round([pack_row(Proposal(0, StepKind.GROW, 3, 3, 2))]),
+        Proposal(0, StepKind.GROW, 3, 3, 2))
+    agreement.finish(enter)
+    assert agreement.mark_iteration() is True
+    assert agreement.take() is enter
+    assert agreement.take() is None and agreement.repeat_verdict() is LockstepVerdict.ENTER
+    assert agreement.mark_iteration() is False  # an iteration without a gather
+    assert agreement.repeat_verdict() is None
+    agreement.finish(enter)
+    agreement.gathered_since_mark = False  # as if produced in an earlier iteration
+    agreement.mark_iteration()
+    assert agreement.take() is None  # not acted on in an iteration that did not gather it
+
+
+def test_a_problem_in_the_rows_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    agreement = GatherAgreement()
+    split = gathered_round([pack_row(Proposal(0, StepKind.GROW, 3, 3, 2)),
+                            pack_row(Proposal(1, StepKind.GROW, 3, 3, 4))])
+    for _ in range(3):
+        agreement.finish(gather_agreement.AgreedRound(split, split.proposals[0]))
+    assert [r.getMessage() for r in caplog.records].count(
+        f"[elastic-ep] membership agreement: {split.problem}; waiting") == 1
+
+
+def test_the_pass_bracket_hands_runner_and_batch_to_the_gather(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sglang.srt.runtime_context as runtime_context
+
+    state = SimpleNamespace(active_ranks=torch.ones(2, dtype=torch.int32))
+    monkeypatch.setattr(gather_agreement, "elastic_state", lambda: state)
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: object())
+    seen: list[tuple[Any, bool]] = []
+
+    def upstream(local_batch: Any, **kwargs: Any) -> str:
+        agreement = ga_of(state)
+        seen.append((agreement.runner, agreement.batch_idle))
+        return "batch"
+
+    runner = object()
+    monkeypatch.setattr(gather_agreement, "lockstep_agreement_on", lambda s, p: True)
+    busy = SimpleNamespace(reqs=[object()])
+    assert gather_agreement.bracket_mlp_sync(upstream, busy, model_runner=runner) == "batch"
+    gather_agreement.bracket_mlp_sync(upstream, None, model_runner=runner)
+    assert seen == [(runner, False), (runner, True)]
+    assert ga_of(state).runner is None
+    monkeypatch.setattr(gather_agreement, "lockstep_agreement_on", lambda s, p: False)
+    gather_agreement.bracket_mlp_sync(upstream, None, model_runner=runner)
+    assert seen[-1] == (None, True)
+
+
+# ------------------------------------------------------------------------ this rank's inputs
+
+
+@pytest.fixture
+def proposing(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    runner = SimpleNamespace(_elastic_global_rank=lambda: 2)
+    runner._elastic_ep_readiness_skew = gather_agreement.ReadinessSkew(None, rank=2)
+    monkeypatch.setattr(tail_recovery, "request_return_when_replacement_registered",
+                        lambda state: None)
+    monkeypatch.setattr(tail_recovery, "contraction_target", lambda state, runner: 0)
+    monkeypatch.setattr(gather_agreement, "_ready_target", lambda state, target: target)
+    return runner
+
+
+def test_each_change_is_proposed_as_its_step(proposing: SimpleNamespace,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep.sglang.scale_down import scale_down_state
+
+    def state(pending: int | None) -> SimpleNamespace:
+        return SimpleNamespace(pending_ep_size=pending, effective_ep_size=3)
+
+    propose = gather_agreement.propose
+    assert propose(state(None), proposing, batch_idle=True) == Proposal(2, StepKind.NONE, 0, 0, 3)
+    assert propose(state(4), proposing, batch_idle=False) == Proposal(2, StepKind.GROW, 4, 4, 3)
+    shrink = state(2)
+    down = scale_down_state(shrink)
+    down.drain_confirmed = True
+    down.scheduler = SimpleNamespace(running_batch=None, waiting_queue=[], chunked_req=None)
+    # Rank 2 leaves: ready only when the batch it runs this pass holds no request either.
+    assert propose(shrink, proposing, batch_idle=False).ready == 0
+    assert propose(shrink, proposing, batch_idle=True) == Proposal(2, StepKind.SHRINK, 2, 2, 3)
+    monkeypatch.setattr(tail_recovery, "contraction_target", lambda state, runner: 2)
+    assert propose(state(None), proposing, batch_idle=False) == Proposal(
+        2, StepKind.LET_GO, 2, 2, 3)
+
+
+def test_readiness_skew_holds_back_only_the_named_rank_for_its_passes() -> None:
+    from sglang_elastic_ep.sglang.gather_agreement import ReadinessSkew
+
+    late = ReadinessSkew("1:3", rank=1)
+    assert [late.apply(3) for _ in range(5)] == [0, 0, 0, 3, 3]
+    assert late.apply(0) == 0  # nothing to be ready for
+    assert [late.apply(4) for _ in range(4)] == [0, 0, 0, 4]  # a new target is late again
+    on_time = ReadinessSkew("1:3", rank=0)
+    assert on_time.apply(3) == 3
+    assert ReadinessSkew(None, rank=1).apply(3) == 3
+
+
+def test_readiness_skew_reads_the_environment_once_and_lives_on_the_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gather_agreement.dist, "get_rank", lambda: 1)
+    monkeypatch.setenv(gather_agreement.ENV_TEST_SKEW, "1:2")
+    runner = SimpleNamespace()
+    skew = gather_agreement.readiness_skew(runner)
+    assert skew.passes == 2
+    monkeypatch.delenv(gather_agreement.ENV_TEST_SKEW)  # later passes never read it again
+    assert gather_agreement.readiness_skew(runner) is skew
+    assert gather_agreement.readiness_skew(SimpleNamespace()).passes == 0  # another process
