@@ -54,6 +54,9 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(scale_progress, "elastic_state", lambda: state)
     monkeypatch.setattr(scale_progress, "lockstep_agreement_on", lambda s, p: True)
     monkeypatch.setattr(runtime_context, "get_parallel", lambda: object())
+    failed_since_gather = SimpleNamespace(target=0)  # a rank failed in this pass's forward
+    monkeypatch.setattr(tail_recovery, "contraction_target",
+                        lambda s, r: failed_since_gather.target)
     monkeypatch.setattr(tail_recovery, "note_committed", lambda s: calls.append("noted"))
     monkeypatch.setattr(tail_recovery, "let_go_of_failed_tail",
                         lambda r, t: calls.append(f"let go to {t}"))
@@ -66,7 +69,7 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         scale_progress.agreed_join_step(lambda r: calls.append("upstream"), runner)
 
     return SimpleNamespace(calls=calls, state=state, run=run,
-                           agreement=gather_agreement(state))
+                           agreement=gather_agreement(state), failed=failed_since_gather)
 
 
 @pytest.mark.parametrize(("agreed", "expected"), [
@@ -147,3 +150,18 @@ def test_the_idle_step_runs_after_an_agreed_no_batch_and_marks_every_iteration(
     monkeypatch.setattr(scale_progress, "membership_state_on_host", lambda s: True)
     iteration(None, gathered=False)
     assert calls == ["step", "report"]  # host memory: the fallback agrees by all-reduce
+
+
+def test_a_failure_seen_after_the_gather_skips_upstreams_step_until_the_next_gather(
+    step: SimpleNamespace,
+) -> None:
+    # The gather said nothing is pending, but this pass's forward found a scale-joined rank
+    # dead: upstream's step would declare the failure unrecoverable, so it is not run; the
+    # next pass's gather carries the let-go.
+    step.failed.target = 2
+    step.agreement.fresh = round_of(LockstepVerdict.NOTHING_PENDING, StepKind.NONE)
+    step.run()
+    assert step.calls == []
+    step.agreement.fresh = round_of(LockstepVerdict.ENTER, StepKind.LET_GO, target=2)
+    step.run()
+    assert step.calls == ["skew reset", "let go to 2"]
