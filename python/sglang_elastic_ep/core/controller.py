@@ -1,0 +1,636 @@
+"""The controller's decisions, pure: observations of the server and the launcher in, actions out.
+
+``ElasticController`` is fed what the I/O loop reads (``GET /elastic_ep/status``,
+``GET /elastic_ep/health``, the load from ``/metrics``, the event stream, what the launcher
+runs) and answers ``decide(now)`` with a ``Decision``: actions to carry out (``ScaleTo``,
+``LaunchJoiner``, ``Relaunch``, ``Terminate``) and holds (why nothing else happens), each
+with its reason and the inputs it was based on.
+
+Resuming: every decision is derived from the server's state as it is now (status, health,
+the event buffer, which the loop replays from the start on every connection to a new server
+instance) and from what the launcher runs. The operation ids carry what the controller needs
+to remember between operations: ``<prefix>-<n>-<purpose>-to-<size>``, e.g.
+``ctl-4-remove-to-2`` then ``ctl-5-regrow-to-3`` (the removal's ``old_ep_size`` says what to
+regrow to). The only memory of its own is short-lived: the load windows, the operation it
+just asked for until the status shows it, and relaunches that died before rejoining (the
+server never saw those); a restarted controller starts these afresh.
+
+Rules, in order, on every decision:
+
+1. Processes of ranks the server lists ``safe_to_terminate`` are terminated, and no other
+   process ever is, except the previous process of a rank the server reports failed or
+   hard-blocked, which its replacement takes over (``Relaunch``).
+2. One operation at a time: while one runs (anyone's), the only action is launching the
+   joiners of a running scale-up that have none yet.
+3. A failed rank (status ``failed``) or slow one (health ``hard_blocked``) is relaunched in
+   recover mode; after ``max_relaunches`` relaunches that failed again it is removed with a
+   scale-down of the failed tail, and a scale-up then restores the size it had.
+4. Otherwise the autoscaling policy (``core.autoscaler``) decides.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_elastic_ep.core.api_models import (
+    EventModel,
+    HealthResponse,
+    OperationKind,
+    OperationResult,
+    OperationStatus,
+    RankFailedEvent,
+    RankRecoveredEvent,
+    RankState,
+    RecoveryRequiredEvent,
+    ScaleCommittedEvent,
+    StatusResponse,
+)
+from sglang_elastic_ep.core.autoscaler import Autoscaler, AutoscalerConfig, LoadSample
+
+
+class JoinMode(str, enum.Enum):
+    SCALE = "scale"  # a new rank for a scale-up
+    RECOVER = "recover"  # a replacement for a failed rank
+
+
+class Purpose(str, enum.Enum):
+    GROW = "grow"
+    SHRINK = "shrink"
+    REMOVE = "remove"  # scale-down that removes failed ranks the controller gave up on
+    REGROW = "regrow"  # scale-up that restores the size a removal took away
+
+
+@dataclass(frozen=True)
+class JoinerSpec:
+    """One joiner process: ranks ``[rank_offset, rank_offset + num_ranks)``."""
+
+    rank_offset: int
+    num_ranks: int
+    mode: JoinMode
+    operation_id: str  # the scale-up it joins, or the recovery attempt's id
+    ep_size: int  # the EP size it joins into
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.num_ranks)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a launcher runs (or ran) for one joiner."""
+
+    handle: str  # pid, pod name
+    rank_offset: int
+    num_ranks: int
+    mode: JoinMode
+    operation_id: str
+    alive: bool
+    started_at: float | None = None  # wall-clock seconds
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.num_ranks)
+
+
+@dataclass(frozen=True)
+class LoadReading:
+    """The load as read from ``/metrics``: means over the shards that report it."""
+
+    queued_per_rank: float | None
+    running_per_rank: float | None
+    kv_usage: float | None = None
+    shards: int = 0
+
+
+@dataclass(frozen=True)
+class ScaleTo:
+    target: int
+    operation_id: str
+    purpose: Purpose
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class LaunchJoiner:
+    spec: JoinerSpec
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """Stop what still runs for exactly ``spec.ranks`` (the server reports them failed or
+    hard-blocked) and launch a replacement in recover mode."""
+
+    spec: JoinerSpec
+    attempt: int
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Terminate:
+    ranks: tuple[int, ...]  # every one listed safe_to_terminate by the server
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Hold:
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+Action = ScaleTo | LaunchJoiner | Relaunch | Terminate
+
+
+@dataclass(frozen=True)
+class Decision:
+    actions: tuple[Action, ...] = ()
+    holds: tuple[Hold, ...] = ()
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    policy: AutoscalerConfig
+    launch_size: int | None = None  # ranks [0, launch_size) are `sglang serve`'s; default min
+    max_relaunches: int = 2  # recover relaunches of one rank before it is removed instead
+    recover_timeout_s: float = 900.0  # a replacement not back by then counts as failed
+    heal_retry_s: float = 15.0  # wait after a failed removal before trying again
+    request_timeout_s: float = 120.0  # forget an asked-for operation the status never shows
+    autoscale: bool = True
+    heal: bool = True
+    op_prefix: str = "ctl"
+
+    def __post_init__(self) -> None:
+        step = self.policy.step
+        if self.launch_size is not None and (
+            self.launch_size < 1 or self.launch_size % step
+            or self.launch_size > self.policy.max_size
+        ):
+            raise ValueError(
+                f"launch_size must be a multiple of step ({step}) in [1, max_size] "
+                f"(got {self.launch_size})"
+            )
+        if self.max_relaunches < 0:
+            raise ValueError("max_relaunches must be >= 0")
+        if min(self.recover_timeout_s, self.heal_retry_s, self.request_timeout_s) < 0:
+            raise ValueError("timeouts must be >= 0 seconds")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}", self.op_prefix):
+            raise ValueError(
+                f"op_prefix must be 1-32 letters, digits, '.', '_' or '-' (got {self.op_prefix!r})"
+            )
+
+    @property
+    def first_own_rank(self) -> int:
+        return self.launch_size if self.launch_size is not None else self.policy.min_size
+
+
+@dataclass(frozen=True)
+class ParsedOperationId:
+    number: int
+    purpose: Purpose
+    target: int
+
+
+def operation_id(prefix: str, number: int, purpose: Purpose, target: int) -> str:
+    return f"{prefix}-{number}-{purpose.value}-to-{target}"
+
+
+def parse_operation_id(prefix: str, op_id: str) -> ParsedOperationId | None:
+    """The parts of an id made by ``operation_id`` with this prefix; None for anyone else's."""
+    purposes = "|".join(p.value for p in Purpose)
+    match = re.fullmatch(rf"{re.escape(prefix)}-(\d+)-({purposes})-to-(\d+)", op_id)
+    if match is None:
+        return None
+    return ParsedOperationId(int(match[1]), Purpose(match[2]), int(match[3]))
+
+
+def recover_operation_id(prefix: str, rank_offset: int, attempt: int) -> str:
+    return f"{prefix}-recover-r{rank_offset}-{attempt}"
+
+
+@dataclass
+class _EventMemory:
+    """What the event buffer of one server instance says about failures (rebuilt on replay)."""
+
+    instance_id: str
+    last_event_id: int = 0
+    failures: dict[int, int] = field(default_factory=dict)  # since the slot was last filled
+    open: set[int] = field(default_factory=set)  # failed, not recovered yet
+
+
+class ElasticController:
+    """Feed it observations, ask ``decide(now)``; it does no I/O."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self._policy = Autoscaler(config.policy)
+        self._status: StatusResponse | None = None
+        self._health: HealthResponse | None = None
+        self._load: LoadReading | None = None
+        self._launches: tuple[Launch, ...] = ()
+        self._events: _EventMemory | None = None
+        self._next_number = 1
+        self._asked: tuple[str, float] | None = None  # operation id, when we asked
+        # Relaunches that died or timed out before the rank rejoined: the server never saw
+        # them, so only we count them (a restarted controller starts from zero).
+        self._failed_relaunches: dict[int, int] = {}
+        self._counted: set[str] = set()
+
+    # --- observations ---------------------------------------------------------------
+
+    def observe_status(self, status: StatusResponse) -> None:
+        if self._status is not None and self._status.instance_id != status.instance_id:
+            self._forget_instance()
+        self._status = status
+        ids = [op.operation_id for op in _operations(status)]
+        numbers = [p.number for i in ids if (p := parse_operation_id(self.config.op_prefix, i))]
+        if numbers:
+            self._next_number = max(self._next_number, max(numbers) + 1)
+        if self._asked is not None and self._asked[0] in ids:
+            self._asked = None  # the server shows it: from now on the status speaks for it
+
+    def observe_health(self, health: HealthResponse | None) -> None:
+        self._health = health
+
+    def observe_load(self, load: LoadReading | None) -> None:
+        self._load = load
+
+    def observe_launches(self, launches: Iterable[Launch]) -> None:
+        self._launches = tuple(launches)
+
+    def observe_event(self, event: EventModel) -> None:
+        """One event from the stream (replays of already-seen ids are ignored)."""
+        memory = self._events
+        if memory is None or memory.instance_id != event.instance_id:
+            memory = self._events = _EventMemory(event.instance_id)
+        if event.event_id <= memory.last_event_id:
+            return
+        memory.last_event_id = event.event_id
+        if isinstance(event, RankFailedEvent | RecoveryRequiredEvent):
+            # recovery_required usually follows rank_failed for the same fault: one failure.
+            for rank in event.ranks:
+                if rank not in memory.open:
+                    memory.open.add(rank)
+                    memory.failures[rank] = memory.failures.get(rank, 0) + 1
+        elif isinstance(event, RankRecoveredEvent):
+            memory.open.difference_update(event.ranks)
+        elif isinstance(event, ScaleCommittedEvent):
+            # The slots were filled afresh (scale-up) or emptied (scale-down): a new rank.
+            for rank in event.ranks:
+                memory.failures.pop(rank, None)
+                memory.open.discard(rank)
+                self._failed_relaunches.pop(rank, None)
+
+    def observe_missed(self, instance_id: str) -> None:
+        """Events were lost (buffer overrun or a server restart): what follows is the buffer."""
+        self._events = _EventMemory(instance_id)
+
+    def observe_scale_answer(self, op_id: str, *, accepted: bool) -> None:
+        """The answer to our POST (``accepted=False`` also for no answer, or a dry run)."""
+        if not accepted and self._asked is not None and self._asked[0] == op_id:
+            self._asked = None
+
+    # --- the decision ---------------------------------------------------------------
+
+    def decide(self, now: float) -> Decision:
+        status = self._status
+        if status is None:
+            return Decision(holds=(Hold("no status read from the server yet"),))
+        actions: list[Action] = []
+        holds: list[Hold] = []
+
+        released = self._releasable(status)
+        if released:
+            actions.append(Terminate(
+                tuple(released),
+                f"the server lists rank(s) {_ranks(released)} safe to terminate",
+                {"safe_to_terminate_ranks": list(status.safe_to_terminate_ranks)},
+            ))
+
+        if self._asked is not None:
+            op_id, asked_at = self._asked
+            if now - asked_at <= self.config.request_timeout_s:
+                holds.append(Hold(f"waiting for the server to show operation {op_id}"))
+                return Decision(tuple(actions), tuple(holds))
+            self._asked = None
+
+        op = status.current_operation
+        if op is not None:
+            self._during_operation(status, op, now, actions, holds)
+            self._policy.decide(self._sample(status, now, busy=True))
+            return Decision(tuple(actions), tuple(holds))
+
+        troubled = self._troubled(status)
+        if troubled:
+            self._policy.decide(self._sample(status, now, busy=True))
+            if self.config.heal:
+                self._heal(status, troubled, now, actions, holds)
+            else:
+                holds.append(Hold(f"rank(s) {_ranks(troubled)} failed; healing is off (--no-heal)",
+                                  {"troubled": _troubled_inputs(troubled)}))
+            return Decision(tuple(actions), tuple(holds))
+
+        if released:
+            # A slot about to be refilled must be free of its old process first.
+            self._policy.decide(self._sample(status, now, busy=True))
+            holds.append(Hold("terminating released ranks before anything else"))
+            return Decision(tuple(actions), tuple(holds))
+
+        if self._regrow(status, now, actions, holds):
+            return Decision(tuple(actions), tuple(holds))
+
+        if not self.config.autoscale:
+            holds.append(Hold("autoscaling is off (--no-autoscale)"))
+            return Decision(tuple(actions), tuple(holds))
+        verdict = self._policy.decide(self._sample(status, now, busy=False))
+        if verdict.target is None:
+            holds.append(Hold(verdict.reason, verdict.inputs))
+        elif verdict.target > status.max_ep_size:
+            holds.append(Hold(
+                f"{verdict.reason}, but {verdict.target} is above the server's --max-ep-size "
+                f"{status.max_ep_size}", verdict.inputs,
+            ))
+        else:
+            size = status.effective_ep_size
+            purpose = Purpose.GROW if verdict.target > size else Purpose.SHRINK
+            actions.append(self._scale(
+                verdict.target, purpose, now,
+                f"{purpose.value} {size} -> {verdict.target}: {verdict.reason}", verdict.inputs,
+            ))
+        return Decision(tuple(actions), tuple(holds))
+
+    # --- parts ----------------------------------------------------------------------
+
+    def _forget_instance(self) -> None:
+        self._asked = None
+        self._failed_relaunches.clear()
+        self._counted.clear()
+        self._next_number = 1
+
+    def _releasable(self, status: StatusResponse) -> list[int]:
+        safe = set(status.safe_to_terminate_ranks)
+        ranks: set[int] = set()
+        for launch in self._launches:
+            if launch.alive and set(launch.ranks) <= safe:
+                ranks.update(launch.ranks)
+        return sorted(ranks)
+
+    def _sample(self, status: StatusResponse, now: float, *, busy: bool) -> LoadSample:
+        load = self._load
+        newest = status.recent_operations[0] if status.recent_operations else None
+        active = sum(
+            1 for r in status.ranks if r.state in (RankState.ACTIVE, RankState.LEAVING)
+        )
+        return LoadSample(
+            now=now,
+            current_size=status.effective_ep_size,
+            active_ranks=active,
+            queued_per_rank=load.queued_per_rank if load else None,
+            running_per_rank=load.running_per_rank if load else None,
+            kv_usage=load.kv_usage if load else None,
+            busy=busy,
+            last_finished_at=newest.finished_at if newest else None,
+        )
+
+    def _scale(
+        self, target: int, purpose: Purpose, now: float, reason: str, inputs: Mapping[str, Any]
+    ) -> ScaleTo:
+        op_id = operation_id(self.config.op_prefix, self._next_number, purpose, target)
+        self._next_number += 1
+        self._asked = (op_id, now)
+        return ScaleTo(target, op_id, purpose, reason, dict(inputs))
+
+    def _spans(self, first: int, stop: int) -> list[int]:
+        """Offsets of the joiners that cover ranks [first, stop)."""
+        step = self.config.policy.step
+        return list(range(first - first % step, stop, step))
+
+    def _during_operation(
+        self,
+        status: StatusResponse,
+        op: OperationStatus,
+        now: float,
+        actions: list[Action],
+        holds: list[Hold],
+    ) -> None:
+        holds.append(Hold(
+            f"operation {op.operation_id} runs ({op.kind.value} {op.old_ep_size} -> "
+            f"{op.new_ep_size}, phase {op.phase.value}); one at a time",
+        ))
+        if op.kind is not OperationKind.SCALE_UP:
+            return
+        step = self.config.policy.step
+        own = self.config.first_own_rank
+        for offset in self._spans(op.old_ep_size, op.new_ep_size):
+            span = range(offset, offset + step)
+            if offset < own:
+                holds.append(Hold(
+                    f"rank(s) {_ranks(span)} are below --launch-size {own}: "
+                    "`sglang serve` launches them, not this controller"
+                ))
+                continue
+            mine = [launch for launch in self._launches
+                    if launch.operation_id == op.operation_id and launch.rank_offset == offset]
+            if mine:
+                if not any(launch.alive for launch in mine):
+                    holds.append(Hold(
+                        f"the joiner for rank(s) {_ranks(span)} exited; operation "
+                        f"{op.operation_id} will fail and release it"
+                    ))
+                continue
+            others = [launch for launch in self._launches
+                      if launch.alive and set(launch.ranks) & set(span)]
+            if others:
+                holds.append(Hold(
+                    f"rank(s) {_ranks(span)} still run an older process "
+                    f"({', '.join(launch.handle for launch in others)}) that the server does "
+                    "not list safe to terminate; not launching over it"
+                ))
+                continue
+            spec = JoinerSpec(offset, step, JoinMode.SCALE, op.operation_id, op.new_ep_size)
+            actions.append(LaunchJoiner(
+                spec,
+                f"operation {op.operation_id} ({op.old_ep_size} -> {op.new_ep_size}) waits for "
+                f"rank(s) {_ranks(span)}",
+                {"phase": op.phase.value},
+            ))
+
+    def _troubled(self, status: StatusResponse) -> dict[int, str]:
+        size = status.effective_ep_size
+        troubled = {r.rank: "failed" for r in status.ranks
+                    if r.state is RankState.FAILED and r.rank < size}
+        health = self._health
+        if health is not None and health.instance_id == status.instance_id:
+            for rank in health.ranks:
+                if rank.hard_blocked and rank.rank < size and rank.rank not in troubled:
+                    troubled[rank.rank] = "slow (hard-blocked by the health check)"
+        return dict(sorted(troubled.items()))
+
+    def _failures(self, status: StatusResponse, span: range) -> int:
+        """How often the ranks of ``span`` failed since their slot was filled (at least 1)."""
+        memory = self._events
+        counts = memory.failures if memory and memory.instance_id == status.instance_id else {}
+        return max(max(counts.get(r, 0), 1) + self._failed_relaunches.get(r, 0) for r in span)
+
+    def _count_failed_relaunch(self, launch: Launch) -> None:
+        if launch.operation_id in self._counted:
+            return
+        self._counted.add(launch.operation_id)
+        for rank in launch.ranks:
+            self._failed_relaunches[rank] = self._failed_relaunches.get(rank, 0) + 1
+
+    def _heal(
+        self,
+        status: StatusResponse,
+        troubled: dict[int, str],
+        now: float,
+        actions: list[Action],
+        holds: list[Hold],
+    ) -> None:
+        cfg = self.config
+        step = cfg.policy.step
+        own = cfg.first_own_rank
+        give_up: dict[int, int] = {}
+        for offset in sorted({r - r % step for r in troubled}):
+            span = range(offset, offset + step)
+            why = {r: troubled[r] for r in span if r in troubled}
+            if offset < own:
+                holds.append(Hold(
+                    f"rank(s) {_ranks(why)} {_what(why)}: launch-time rank(s) (below "
+                    f"--launch-size {own}); relaunch their node with --ep-join-mode recover",
+                    {"troubled": _troubled_inputs(why)},
+                ))
+                continue
+            failures = self._failures(status, span)
+            attempt_id = recover_operation_id(cfg.op_prefix, offset, failures)
+            current = [launch for launch in self._launches if launch.operation_id == attempt_id]
+            if current:
+                alive = [launch for launch in current if launch.alive]
+                started = min((launch.started_at or now) for launch in current)
+                if alive and now - started <= cfg.recover_timeout_s:
+                    holds.append(Hold(
+                        f"waiting for the replacement of rank(s) {_ranks(span)} "
+                        f"({attempt_id}) to rejoin",
+                        {"failures": failures, "age_s": round(now - started, 1)},
+                    ))
+                    continue
+                # It died, or never rejoined: the server cannot know, so we count it.
+                for launch in current:
+                    self._count_failed_relaunch(launch)
+                failures = self._failures(status, span)
+                attempt_id = recover_operation_id(cfg.op_prefix, offset, failures)
+            inputs = {"troubled": _troubled_inputs(why), "failures": failures,
+                      "max_relaunches": cfg.max_relaunches}
+            if failures > cfg.max_relaunches:
+                for rank in span:
+                    give_up[rank] = failures
+                continue
+            spec = JoinerSpec(offset, step, JoinMode.RECOVER, attempt_id,
+                              status.effective_ep_size)
+            actions.append(Relaunch(
+                spec, failures,
+                f"rank(s) {_ranks(why)} {_what(why)}: relaunch in recover mode "
+                f"(failure {failures}, up to --max-relaunches {cfg.max_relaunches})",
+                inputs,
+            ))
+        if give_up:
+            self._remove(status, troubled, give_up, now, actions, holds)
+
+    def _remove(
+        self,
+        status: StatusResponse,
+        troubled: dict[int, str],
+        give_up: dict[int, int],
+        now: float,
+        actions: list[Action],
+        holds: list[Hold],
+    ) -> None:
+        size = status.effective_ep_size
+        target = min(give_up)
+        failed = {r for r, why in troubled.items() if why == "failed"}
+        tail = set(range(target, size))
+        inputs = {"give_up": give_up, "failed": sorted(failed), "size": size,
+                  "max_relaunches": self.config.max_relaunches}
+        who = f"rank(s) {_ranks(give_up)} failed {max(give_up.values())} times"
+        if failed and failed != tail:
+            holds.append(Hold(
+                f"{who}, but only a scale-down removing exactly the failed ranks {_ranks(failed)} "
+                f"is allowed and they are not the tail [{target}, {size}): leaving them failed",
+                inputs,
+            ))
+            return
+        newest = status.recent_operations[0] if status.recent_operations else None
+        parsed = parse_operation_id(self.config.op_prefix, newest.operation_id) if newest else None
+        if (newest is not None and parsed is not None and parsed.purpose is Purpose.REMOVE
+                and newest.result is OperationResult.FAILED and newest.finished_at is not None
+                and now - newest.finished_at < self.config.heal_retry_s):
+            holds.append(Hold(
+                f"{who}; removal {newest.operation_id} failed ({newest.error}); retrying in "
+                f"{self.config.heal_retry_s - (now - newest.finished_at):.0f}s",
+                inputs,
+            ))
+            return
+        actions.append(self._scale(
+            target, Purpose.REMOVE, now,
+            f"{who} (> --max-relaunches {self.config.max_relaunches}): removing ranks "
+            f"[{target}, {size}), then regrowing to {size}",
+            inputs,
+        ))
+
+    def _regrow(
+        self, status: StatusResponse, now: float, actions: list[Action], holds: list[Hold]
+    ) -> bool:
+        """Restore the size a removal took away (also after a failed regrow, once cooled)."""
+        if not status.recent_operations:
+            return False
+        newest = status.recent_operations[0]
+        parsed = parse_operation_id(self.config.op_prefix, newest.operation_id)
+        if parsed is None:
+            return False
+        if parsed.purpose is Purpose.REMOVE and newest.result is OperationResult.SUCCEEDED:
+            target = newest.old_ep_size
+        elif parsed.purpose is Purpose.REGROW and newest.result is OperationResult.FAILED:
+            wait = (newest.finished_at or now) + self.config.policy.cooldown_s - now
+            if wait > 0:
+                holds.append(Hold(
+                    f"regrow {newest.operation_id} failed ({newest.error}); retrying in "
+                    f"{wait:.0f}s"
+                ))
+                return True
+            target = newest.new_ep_size
+        else:
+            return False
+        target = min(target, self.config.policy.max_size, status.max_ep_size)
+        size = status.effective_ep_size
+        if target <= size:
+            return False
+        actions.append(self._scale(
+            target, Purpose.REGROW, now,
+            f"restore capacity after {newest.operation_id}: {size} -> {target}",
+            {"after": newest.operation_id, "size": size},
+        ))
+        return True
+
+
+def _operations(status: StatusResponse) -> Sequence[OperationStatus]:
+    current = [status.current_operation] if status.current_operation else []
+    return [*current, *status.recent_operations]
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+def _what(why: Mapping[int, str]) -> str:
+    return " / ".join(sorted(set(why.values())))
+
+
+def _troubled_inputs(troubled: Mapping[int, str]) -> dict[str, str]:
+    return {str(rank): why for rank, why in troubled.items()}

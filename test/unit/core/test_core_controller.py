@@ -1,0 +1,472 @@
+"""The controller's pure decisions: observations in, actions and holds out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pytest
+
+from sglang_elastic_ep.core.api_models import (
+    HealthResponse,
+    OperationKind,
+    OperationResult,
+    OperationStatus,
+    RankFailedEvent,
+    RankHealthStatus,
+    RankRecoveredEvent,
+    RecoveryRequiredEvent,
+    ScaleCommittedEvent,
+    StatusResponse,
+)
+from sglang_elastic_ep.core.autoscaler import AutoscalerConfig
+from sglang_elastic_ep.core.controller import (
+    ControllerConfig,
+    Decision,
+    ElasticController,
+    JoinMode,
+    Launch,
+    LaunchJoiner,
+    LoadReading,
+    Purpose,
+    Relaunch,
+    ScaleTo,
+    Terminate,
+    operation_id,
+    parse_operation_id,
+    recover_operation_id,
+)
+from sglang_elastic_ep.core.membership import Membership
+from sglang_elastic_ep.core.phases import Phase
+
+INST = "inst-a"
+HOT = LoadReading(queued_per_rank=10.0, running_per_rank=20.0, kv_usage=0.3, shards=2)
+QUIET = LoadReading(queued_per_rank=0.0, running_per_rank=1.0, kv_usage=0.1, shards=2)
+
+
+def config(**kw: Any) -> ControllerConfig:
+    policy = dict(min_size=2, max_size=8, scale_up_load=8, scale_down_load=2, target_load=5,
+                  up_window_s=0, down_window_s=0, cooldown_s=0, max_step_up=1)
+    policy.update(kw.pop("policy", {}))
+    kw.setdefault("launch_size", 2)
+    return ControllerConfig(policy=AutoscalerConfig(**policy), **kw)
+
+
+def op(op_id: str, old: int, new: int, *, result: str = "running", at: float = 0.0,
+       error: str | None = None) -> OperationStatus:
+    up = new > old
+    if result == "running":
+        phase = Phase.WAITING_FOR_COHORT if up else Phase.DRAINING
+    elif result == "succeeded":
+        phase = Phase.SERVING_EXPANDED if up else Phase.SERVING_CONTRACTED
+    else:
+        phase = Phase.FAILED
+    return OperationStatus(
+        operation_id=op_id, kind=OperationKind.SCALE_UP if up else OperationKind.SCALE_DOWN,
+        old_ep_size=old, new_ep_size=new, phase=phase, phase_timestamps=[], started_at=at,
+        finished_at=None if result == "running" else at, result=OperationResult(result),
+        error=error,
+    )
+
+
+def status(size: int, *, failed: Iterable[int] = (), safe: Iterable[int] = (),
+           current: OperationStatus | None = None, recent: Sequence[OperationStatus] = (),
+           max_size: int = 8, instance: str = INST) -> StatusResponse:
+    pending = current.new_ep_size if current and current.new_ep_size > size else None
+    leaving = range(current.new_ep_size, size) if current and current.new_ep_size < size else ()
+    m = Membership(max_size=max_size, effective_size=size, pending_size=pending,
+                   failed=frozenset(failed), leaving=frozenset(leaving),
+                   safe_to_terminate=frozenset(safe))
+    return StatusResponse(
+        instance_id=instance, phase=current.phase if current else Phase.IDLE,
+        effective_ep_size=size, pending_ep_size=pending, max_ep_size=max_size,
+        ranks=m.rank_statuses(), safe_to_terminate_ranks=sorted(m.safe_to_terminate),
+        current_operation=current, recent_operations=list(recent),
+    )
+
+
+def health(*, blocked: Iterable[int] = (), size: int = 3, instance: str = INST) -> HealthResponse:
+    ranks = [RankHealthStatus(rank=r, alive=True, healthy=r not in blocked,
+                              consecutive_unhealthy_checks=10 if r in blocked else 0,
+                              total_unhealthy_checks=10 if r in blocked else 0,
+                              hard_blocked=r in blocked) for r in range(size)]
+    return HealthResponse(instance_id=instance, checks=12, latency_threshold=3.0,
+                          persistence_threshold=10, median_latency_s=0.01, ranks=ranks,
+                          experts=[])
+
+
+def launch(offset: int, op_id: str, *, alive: bool = True, mode: JoinMode = JoinMode.SCALE,
+           size: int = 1, started: float = 0.0) -> Launch:
+    return Launch(handle=f"h-{op_id}-{offset}", rank_offset=offset, num_ranks=size, mode=mode,
+                  operation_id=op_id, alive=alive, started_at=started)
+
+
+class Event:
+    """Events with increasing ids, like one server instance's log."""
+
+    def __init__(self, instance: str = INST) -> None:
+        self.instance = instance
+        self.next_id = 1
+
+    def _base(self) -> dict[str, Any]:
+        base = {"event_id": self.next_id, "time": float(self.next_id), "instance_id": self.instance}
+        self.next_id += 1
+        return base
+
+    def failed(self, *ranks: int) -> RankFailedEvent:
+        return RankFailedEvent(**self._base(), ranks=list(ranks), reason="heartbeat lost")
+
+    def required(self, *ranks: int) -> RecoveryRequiredEvent:
+        return RecoveryRequiredEvent(**self._base(), ranks=list(ranks), reason="dead",
+                                     suggested_action="relaunch")
+
+    def recovered(self, *ranks: int) -> RankRecoveredEvent:
+        return RankRecoveredEvent(**self._base(), ranks=list(ranks))
+
+    def committed(self, op_id: str, old: int, new: int) -> ScaleCommittedEvent:
+        ranks = list(range(min(old, new), max(old, new)))
+        return ScaleCommittedEvent(**self._base(), operation_id=op_id, old_ep_size=old,
+                                   new_ep_size=new, duration_s=1.0, ranks=ranks)
+
+
+def step(c: ElasticController, now: float, s: StatusResponse, *,
+         load: LoadReading | None = None, launches: Iterable[Launch] = (),
+         health_report: HealthResponse | None = None) -> Decision:
+    c.observe_status(s)
+    c.observe_load(load)
+    c.observe_health(health_report)
+    c.observe_launches(launches)
+    return c.decide(now)
+
+
+def only(decision: Decision, kind: type) -> Any:
+    assert len(decision.actions) == 1, decision
+    (action,) = decision.actions
+    assert isinstance(action, kind), decision
+    return action
+
+
+# --- autoscaling through the controller -------------------------------------------------
+
+
+def test_hot_load_scales_up_with_its_own_operation_id_and_logged_inputs() -> None:
+    c = ElasticController(config())
+    action = only(step(c, 100, status(2), load=HOT), ScaleTo)
+    assert (action.target, action.purpose, action.operation_id) == (3, Purpose.GROW,
+                                                                     "ctl-1-grow-to-3")
+    assert action.inputs["load_per_rank"] == 30.0 and action.inputs["active_ranks"] == 2
+    assert "grow 2 -> 3" in action.reason
+
+
+def test_one_operation_at_a_time() -> None:
+    c = ElasticController(config())
+    only(step(c, 100, status(2), load=HOT), ScaleTo)
+    # Until the server shows it, nothing else is asked for.
+    decision = step(c, 101, status(2), load=HOT)
+    assert decision.actions == ()
+    assert "waiting for the server to show operation ctl-1-grow-to-3" in decision.holds[0].reason
+    # While it runs (or anyone else's runs), no resize either.
+    running = status(2, current=op("ctl-1-grow-to-3", 2, 3))
+    decision = step(c, 102, running, load=HOT, launches=[launch(2, "ctl-1-grow-to-3")])
+    assert decision.actions == ()
+    external = status(2, current=op("someone-else", 2, 1))
+    assert step(c, 103, external, load=HOT).actions == ()
+
+
+def test_numbering_resumes_after_the_newest_id_the_server_shows() -> None:
+    c = ElasticController(config())
+    done = op("ctl-41-grow-to-3", 2, 3, result="succeeded", at=0)
+    action = only(step(c, 100, status(3, recent=[done]), load=HOT), ScaleTo)
+    assert action.operation_id == "ctl-42-grow-to-4"
+
+
+def test_cooldown_counts_from_the_servers_last_finished_operation() -> None:
+    c = ElasticController(config(policy={"cooldown_s": 60}))
+    done = op("anyone", 2, 3, result="succeeded", at=1000.0)
+    decision = step(c, 1030, status(3, recent=[done]), load=HOT)
+    assert decision.actions == () and "cooldown" in decision.holds[0].reason
+    assert only(step(c, 1060, status(3, recent=[done]), load=HOT), ScaleTo).target == 4
+
+
+def test_quiet_load_scales_down_and_bounds_hold() -> None:
+    c = ElasticController(config())
+    action = only(step(c, 100, status(4), load=QUIET), ScaleTo)
+    assert (action.target, action.purpose) == (3, Purpose.SHRINK)
+    assert action.operation_id == "ctl-1-shrink-to-3"
+    at_min = ElasticController(config())
+    decision = step(at_min, 100, status(2), load=QUIET)
+    assert decision.actions == () and "--min-size" in decision.holds[0].reason
+
+
+def test_a_target_above_the_servers_max_ep_size_is_not_asked_for() -> None:
+    c = ElasticController(config(policy={"max_size": 8}))
+    decision = step(c, 100, status(4, max_size=4), load=HOT)
+    assert decision.actions == () and "--max-ep-size 4" in decision.holds[0].reason
+
+
+def test_a_refused_or_dry_run_request_frees_the_next_decision() -> None:
+    c = ElasticController(config())
+    first = only(step(c, 100, status(2), load=HOT), ScaleTo)
+    c.observe_scale_answer(first.operation_id, accepted=False)
+    second = only(step(c, 101, status(2), load=HOT), ScaleTo)
+    assert second.operation_id == "ctl-2-grow-to-3"
+
+
+def test_autoscale_off_holds() -> None:
+    c = ElasticController(config(autoscale=False))
+    decision = step(c, 100, status(2), load=HOT)
+    assert decision.actions == () and "--no-autoscale" in decision.holds[0].reason
+
+
+# --- joiners and terminations ---------------------------------------------------------
+
+
+def test_running_scale_up_gets_its_joiners_once() -> None:
+    c = ElasticController(config())
+    running = status(2, current=op("grow-x", 2, 4))
+    decision = step(c, 100, running)
+    launches = [a for a in decision.actions if isinstance(a, LaunchJoiner)]
+    assert [(a.spec.rank_offset, a.spec.num_ranks, a.spec.mode, a.spec.operation_id,
+             a.spec.ep_size) for a in launches] == [
+        (2, 1, JoinMode.SCALE, "grow-x", 4), (3, 1, JoinMode.SCALE, "grow-x", 4)]
+    # Launched: nothing more; one exited: not relaunched (the operation fails and releases it).
+    assert step(c, 101, running, launches=[launch(2, "grow-x"), launch(3, "grow-x")]).actions \
+        == ()
+    decision = step(c, 102, running, launches=[launch(2, "grow-x"), launch(3, "grow-x",
+                                                                           alive=False)])
+    assert decision.actions == ()
+    assert any("exited" in h.reason for h in decision.holds)
+
+
+def test_joiners_are_whole_steps_and_never_below_launch_size() -> None:
+    c = ElasticController(config(policy={"step": 2, "min_size": 2, "max_step_up": 2},
+                                 launch_size=4))
+    decision = step(c, 100, status(2, current=op("up", 2, 6)))
+    assert [(a.spec.rank_offset, a.spec.num_ranks) for a in decision.actions] == [(4, 2)]
+    assert any("below --launch-size 4" in h.reason for h in decision.holds)
+
+
+def test_no_joiner_over_a_slot_that_still_runs_an_unreleased_process() -> None:
+    c = ElasticController(config())
+    decision = step(c, 100, status(2, current=op("up", 2, 3)), launches=[launch(2, "old")])
+    assert decision.actions == ()
+    assert any("older process" in h.reason for h in decision.holds)
+
+
+def test_terminates_exactly_the_ranks_listed_safe_to_terminate() -> None:
+    c = ElasticController(config())
+    launches = [launch(2, "a"), launch(3, "b"), launch(4, "c", alive=False),
+                launch(5, "d", size=2)]
+    s = status(3, safe=[3, 4, 5])  # 5 is listed, 6 (the other half of "d") is not
+    decision = step(c, 100, s, launches=launches, load=HOT)
+    action = only(decision, Terminate)
+    assert action.ranks == (3,)
+    assert any("before anything else" in h.reason for h in decision.holds)  # no resize yet
+    assert step(c, 101, status(3), launches=launches).actions == ()  # nothing listed: nothing
+
+
+# --- self-healing ---------------------------------------------------------------------
+
+
+def test_a_failed_rank_is_relaunched_in_recover_mode_once() -> None:
+    c = ElasticController(config())
+    e = Event()
+    c.observe_event(e.failed(2))
+    c.observe_event(e.required(2))  # the same fault: one failure
+    s = status(3, failed=[2])
+    action = only(step(c, 100, s, launches=[launch(2, "ctl-1-grow-to-3")]), Relaunch)
+    assert (action.spec.rank_offset, action.spec.mode, action.spec.operation_id,
+            action.attempt, action.spec.ep_size) == (2, JoinMode.RECOVER, "ctl-recover-r2-1", 1,
+                                                     3)
+    replacement = launch(2, "ctl-recover-r2-1", mode=JoinMode.RECOVER, started=100)
+    decision = step(c, 101, s, launches=[replacement])
+    assert decision.actions == () and "waiting for the replacement" in decision.holds[0].reason
+
+
+def test_no_autoscaling_while_a_rank_is_failed() -> None:
+    c = ElasticController(config(heal=False))
+    decision = step(c, 100, status(3, failed=[2]), load=HOT)
+    assert decision.actions == () and "--no-heal" in decision.holds[0].reason
+
+
+def test_a_replacement_that_dies_before_rejoining_counts_as_a_failure() -> None:
+    c = ElasticController(config(max_relaunches=2))
+    s = status(3, failed=[2])
+    first = only(step(c, 100, s), Relaunch)
+    dead = launch(2, first.spec.operation_id, alive=False, mode=JoinMode.RECOVER)
+    second = only(step(c, 110, s, launches=[dead]), Relaunch)
+    assert (second.attempt, second.spec.operation_id) == (2, "ctl-recover-r2-2")
+    dead2 = launch(2, second.spec.operation_id, alive=False, mode=JoinMode.RECOVER)
+    third = only(step(c, 120, s, launches=[dead, dead2]), ScaleTo)
+    assert (third.purpose, third.target, third.operation_id) == (Purpose.REMOVE, 2,
+                                                                 "ctl-1-remove-to-2")
+
+
+def test_a_replacement_not_back_within_the_recover_timeout_counts_as_a_failure() -> None:
+    c = ElasticController(config(recover_timeout_s=300))
+    s = status(3, failed=[2])
+    only(step(c, 100, s), Relaunch)
+    slow = launch(2, "ctl-recover-r2-1", mode=JoinMode.RECOVER, started=100)
+    assert step(c, 399, s, launches=[slow]).actions == ()
+    again = only(step(c, 401, s, launches=[slow]), Relaunch)
+    assert again.attempt == 2  # the relaunch stops the stuck one (same ranks) first
+
+
+def test_after_max_relaunches_failures_the_rank_is_removed_then_the_size_regrown() -> None:
+    c = ElasticController(config(max_relaunches=2))
+    e = Event()
+    for _ in range(2):  # failed, relaunched, recovered: twice
+        c.observe_event(e.failed(2))
+        c.observe_event(e.recovered(2))
+    c.observe_event(e.failed(2))  # the third failure
+    decision = step(c, 100, status(3, failed=[2]), launches=[launch(2, "ctl-recover-r2-2")])
+    removal = only(decision, ScaleTo)
+    assert (removal.target, removal.purpose, removal.operation_id) == (2, Purpose.REMOVE,
+                                                                       "ctl-1-remove-to-2")
+    assert removal.inputs["give_up"] == {2: 3}
+
+    # Committed: rank 2 is released; its process is terminated before the regrow.
+    done = op("ctl-1-remove-to-2", 3, 2, result="succeeded", at=100)
+    c.observe_event(e.committed("ctl-1-remove-to-2", 3, 2))
+    after = status(2, safe=[2], recent=[done])
+    old = launch(2, "ctl-recover-r2-2", mode=JoinMode.RECOVER)
+    decision = step(c, 101, after, launches=[old], load=QUIET)
+    assert only(decision, Terminate).ranks == (2,)
+    # Terminated: regrow to the size before the removal, whatever the load says.
+    gone = launch(2, "ctl-recover-r2-2", mode=JoinMode.RECOVER, alive=False)
+    regrow = only(step(c, 102, after, launches=[gone], load=QUIET), ScaleTo)
+    assert (regrow.target, regrow.purpose, regrow.operation_id) == (3, Purpose.REGROW,
+                                                                    "ctl-2-regrow-to-3")
+    # The regrow's joiner is a fresh rank: its failures start from zero again.
+    c.observe_event(e.committed("ctl-2-regrow-to-3", 2, 3))
+    c.observe_event(e.failed(2))
+    regrown = op("ctl-2-regrow-to-3", 2, 3, result="succeeded", at=200)
+    relaunch = only(step(c, 300, status(3, failed=[2], recent=[regrown, done])), Relaunch)
+    assert relaunch.attempt == 1
+
+
+def test_max_relaunches_zero_removes_at_the_first_failure() -> None:
+    c = ElasticController(config(max_relaunches=0))
+    assert only(step(c, 100, status(4, failed=[3])), ScaleTo).target == 3
+
+
+def test_removal_needs_the_failed_ranks_to_be_the_tail() -> None:
+    c = ElasticController(config(max_relaunches=0))
+    decision = step(c, 100, status(4, failed=[2]))  # rank 3 is healthy above it
+    assert decision.actions == ()
+    assert "not the tail" in decision.holds[0].reason
+
+
+def test_a_refused_removal_is_retried_after_heal_retry() -> None:
+    c = ElasticController(config(max_relaunches=0, heal_retry_s=15))
+    refused = op("ctl-1-remove-to-3", 4, 3, result="failed", at=100, error="422 not yet")
+    s = status(4, failed=[3], recent=[refused])
+    decision = step(c, 110, s)
+    assert decision.actions == () and "retrying in 5s" in decision.holds[0].reason
+    assert only(step(c, 116, s), ScaleTo).operation_id == "ctl-2-remove-to-3"
+
+
+def test_a_failed_regrow_is_retried_after_the_cooldown() -> None:
+    c = ElasticController(config(policy={"cooldown_s": 60}))
+    failed = op("ctl-5-regrow-to-3", 2, 3, result="failed", at=100, error="timeout")
+    s = status(2, safe=[2], recent=[failed])
+    assert step(c, 130, s).actions == ()
+    assert only(step(c, 161, s), ScaleTo).operation_id == "ctl-6-regrow-to-3"
+
+
+def test_a_slow_rank_from_the_health_report_gets_the_same_treatment() -> None:
+    c = ElasticController(config())
+    action = only(step(c, 100, status(3), health_report=health(blocked=[2])), Relaunch)
+    assert action.spec.rank_offset == 2 and "slow" in action.reason
+    # A report from another server instance (stale across a restart) is not believed.
+    other = health(blocked=[2], instance="another-server")
+    decision = step(ElasticController(config()), 100, status(3), health_report=other, load=QUIET)
+    assert only(decision, ScaleTo).purpose is Purpose.SHRINK
+
+
+def test_a_failed_launch_time_rank_is_reported_not_relaunched() -> None:
+    c = ElasticController(config(launch_size=2))
+    decision = step(c, 100, status(3, failed=[1]), load=HOT)
+    assert decision.actions == ()
+    assert "launch-time" in decision.holds[0].reason
+
+
+# --- resuming from the server's state ---------------------------------------------------
+
+
+def test_a_restarted_controller_resumes_counts_from_the_replayed_event_buffer() -> None:
+    e = Event()
+    buffer = [e.failed(2), e.required(2), e.recovered(2), e.failed(2), e.recovered(2),
+              e.failed(2)]
+    fresh = ElasticController(config(max_relaunches=2))
+    for event in buffer + buffer:  # replays of ids it has seen are ignored
+        fresh.observe_event(event)
+    assert only(step(fresh, 100, status(3, failed=[2])), ScaleTo).purpose is Purpose.REMOVE
+
+
+def test_a_restarted_controller_continues_a_removal_with_the_regrow() -> None:
+    fresh = ElasticController(config())
+    removal = op("ctl-7-remove-to-2", 3, 2, result="succeeded", at=50)
+    action = only(step(fresh, 100, status(2, safe=[2], recent=[removal])), ScaleTo)
+    assert action.operation_id == "ctl-8-regrow-to-3"
+
+
+def test_a_restarted_controller_adopts_a_running_replacement() -> None:
+    fresh = ElasticController(config())
+    running = launch(2, "ctl-recover-r2-1", mode=JoinMode.RECOVER, started=90)
+    decision = step(fresh, 100, status(3, failed=[2]), launches=[running])
+    assert decision.actions == () and "waiting for the replacement" in decision.holds[0].reason
+
+
+def test_a_new_server_instance_resets_what_the_old_one_said() -> None:
+    c = ElasticController(config(max_relaunches=1))
+    e = Event()
+    for event in (e.failed(2), e.recovered(2), e.failed(2)):
+        c.observe_event(event)
+    assert only(step(c, 100, status(3, failed=[2])), ScaleTo).purpose is Purpose.REMOVE
+    # The server restarted: its events start again at 1 and its failures are its own.
+    c.observe_scale_answer("ctl-1-remove-to-2", accepted=False)
+    restarted = Event("inst-b")
+    c.observe_event(restarted.failed(2))
+    action = only(step(c, 200, status(3, failed=[2], instance="inst-b")), Relaunch)
+    assert action.attempt == 1
+
+
+def test_a_missed_notice_forgets_the_counts() -> None:
+    c = ElasticController(config(max_relaunches=1))
+    e = Event()
+    for event in (e.failed(2), e.recovered(2), e.failed(2)):
+        c.observe_event(event)
+    c.observe_missed(INST)
+    assert only(step(c, 100, status(3, failed=[2])), Relaunch).attempt == 1
+
+
+def test_no_status_no_decision() -> None:
+    decision = ElasticController(config()).decide(0)
+    assert decision.actions == () and "no status" in decision.holds[0].reason
+
+
+# --- ids and config ---------------------------------------------------------------------
+
+
+def test_operation_ids_round_trip_and_foreign_ids_are_ignored() -> None:
+    text = operation_id("ctl", 12, Purpose.REGROW, 4)
+    assert text == "ctl-12-regrow-to-4"
+    parsed = parse_operation_id("ctl", text)
+    assert parsed is not None and (parsed.number, parsed.purpose, parsed.target) == (
+        12, Purpose.REGROW, 4)
+    assert parse_operation_id("ctl", "other-12-grow-to-4") is None
+    assert parse_operation_id("ctl", "ctl-12-grow-to-4x") is None
+    assert recover_operation_id("ctl", 3, 2) == "ctl-recover-r3-2"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"launch_size": 3, "policy": {"step": 2, "min_size": 2}},
+    {"launch_size": 9},
+    {"max_relaunches": -1},
+    {"op_prefix": "bad prefix"},
+    {"recover_timeout_s": -1},
+])
+def test_bad_controller_config_is_rejected(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        config(**kwargs)
