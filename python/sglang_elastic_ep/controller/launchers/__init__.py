@@ -1,0 +1,1 @@
+"""Launchers start and stop joiner processes for the controller, behind ``base.Launcher``."""
