@@ -1,4 +1,4 @@
-"""``sglang-eep``: scale, inspect and watch an elastic EP SGLang server.
+"""``sglang-eep``: scale, inspect and watch an elastic EP SGLang server, or run its controller.
 
 Exit codes: 0 done, 1 failed (operation failed, server unreachable, timeout), 2 bad usage
 (bad arguments, request refused as invalid: 400/413/422, or 401/403), 3 conflict (409/412).
@@ -19,20 +19,24 @@ from typing import Any
 import httpx
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
+from sglang_elastic_ep.cli.common import (
+    API_KEY_ENV,
+    EXIT_CONFLICT,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    URL_ENV,
+    CliError,
+)
+from sglang_elastic_ep.cli.controller import add_controller_parser, cmd_controller
 from sglang_elastic_ep.cli.sse import iter_sse
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_CONFLICT = 3
-
 CLI_PLUGIN_GROUP = "sglang_elastic_ep.cli"
-API_KEY_ENV = "SGLANG_EEP_API_KEY"
-URL_ENV = "SGLANG_EEP_URL"
 _STATE_STYLE = {
     "active": "green",
     "pending": "cyan",
@@ -42,12 +46,6 @@ _STATE_STYLE = {
     "inactive": "dim",
 }
 _RESULT_STYLE = {"succeeded": "green", "failed": "bold red", "running": "cyan"}
-
-
-class CliError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _exit_code_for(status: int) -> int:
@@ -413,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="sglang-eep",
-        description="Scale, inspect and watch an elastic EP SGLang server.",
+        description="Scale, inspect and watch an elastic EP SGLang server, or run its "
+        "controller (autoscaling and self-healing).",
         epilog="exit codes: 0 done, 1 failed, 2 bad usage, 3 conflict (409/412)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -442,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument(
         "--read-timeout", type=float, default=60.0, help="reconnect after this long silent"
     )
+    add_controller_parser(sub, common)
     # Other installed distributions (the CPU testbed) add subcommands without this package
     # importing them: each entry point adds its parser and sets ``handler`` on it.
     for entry in entry_points(group=CLI_PLUGIN_GROUP):
@@ -461,12 +461,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
         return int(exc.code or 0)
     console = Console(soft_wrap=False)
-    commands = {"scale": cmd_scale, "status": cmd_status, "events": cmd_events}
+    commands = {"scale": cmd_scale, "status": cmd_status, "events": cmd_events,
+                "controller": cmd_controller}
     handler = getattr(args, "handler", None) or commands[args.command]
     try:
         return handler(args, console)
     except CliError as exc:
-        Console(stderr=True).print(f"[bold red]error[/]: {exc}", highlight=False)
+        # escape: messages name flags and extras such as [kubernetes], not markup
+        Console(stderr=True).print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         return exc.code
     except KeyboardInterrupt:
         return 130

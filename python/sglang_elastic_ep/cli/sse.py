@@ -11,11 +11,15 @@ class SSEMessage:
     event: str  # "message" when the frame named none
     data: str
     id: str | None  # the id: field of this frame, if any
-    retry_ms: int | None = None
+    retry_ms: int | None = None  # a retry: field seen since the previous message
 
 
 def iter_sse(lines: Iterable[str]) -> Iterator[SSEMessage]:
-    """Messages from decoded lines (without their line endings); comments are skipped."""
+    """Messages from decoded lines (without their line endings); comments are skipped.
+
+    A ``retry:`` field sets the reconnection delay even in a block without data (the server
+    sends it that way when a stream opens), so it is carried to the next message.
+    """
     event = ""
     data: list[str] = []
     event_id: str | None = None
@@ -25,7 +29,8 @@ def iter_sse(lines: Iterable[str]) -> Iterator[SSEMessage]:
         if line == "":
             if data:
                 yield SSEMessage(event or "message", "\n".join(data), event_id, retry)
-            event, data, event_id, retry = "", [], None, None
+                retry = None
+            event, data, event_id = "", [], None
             continue
         if line.startswith(":"):
             continue

@@ -289,8 +289,13 @@ class ElasticController:
                 self._failed_relaunches.pop(rank, None)
 
     def observe_missed(self, instance_id: str) -> None:
-        """Events were lost (buffer overrun or a server restart): what follows is the buffer."""
-        self._events = _EventMemory(instance_id)
+        """Events were lost (the server's buffer overran, or it restarted).
+
+        From the same instance, the counts so far stay: with the lost events they were a lower
+        bound and still are. Another instance's counts say nothing about this one.
+        """
+        if self._events is None or self._events.instance_id != instance_id:
+            self._events = _EventMemory(instance_id)
 
     def observe_scale_answer(self, op_id: str, *, accepted: bool) -> None:
         """The answer to our POST (``accepted=False`` also for no answer, or a dry run)."""

@@ -242,3 +242,5 @@ def test_sse_parser_follows_the_event_stream_rules() -> None:
         ("rank_failed", '{"a":\n1}', "7"),
         ("message", "no-space", None),
     ]
+    # The stream's opening retry: (a block without data) reaches the first message only.
+    assert [m.retry_ms for m in messages] == [1500, None]

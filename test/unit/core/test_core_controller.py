@@ -432,13 +432,15 @@ def test_a_new_server_instance_resets_what_the_old_one_said() -> None:
     assert action.attempt == 1
 
 
-def test_a_missed_notice_forgets_the_counts() -> None:
-    c = ElasticController(config(max_relaunches=1))
+def test_a_missed_notice_keeps_this_instances_counts_and_drops_anothers() -> None:
+    c = ElasticController(config(max_relaunches=2))
     e = Event()
     for event in (e.failed(2), e.recovered(2), e.failed(2)):
         c.observe_event(event)
-    c.observe_missed(INST)
-    assert only(step(c, 100, status(3, failed=[2])), Relaunch).attempt == 1
+    c.observe_missed(INST)  # some events were lost: what we counted still happened
+    assert only(step(c, 100, status(3, failed=[2])), Relaunch).attempt == 2
+    c.observe_missed("inst-b")
+    assert only(step(c, 100, status(3, failed=[2], instance="inst-b")), Relaunch).attempt == 1
 
 
 def test_no_status_no_decision() -> None:
