@@ -172,8 +172,9 @@ def add_controller_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     loop.add_argument("--dry-run", action="store_true",
                       help="decide and log, but never POST, launch or terminate")
     loop.add_argument("--once", action="store_true",
-                      help="read the server's state, decide once (and act unless --dry-run), "
-                      "then exit")
+                      help="read the server's state, decide and act (a scale-up's POST and "
+                      "its joiners) until nothing more is due now, then exit; with --dry-run "
+                      "print one decision")
 
     launch = p.add_argument_group("launcher")
     launch.add_argument("--launcher", choices=("local", "kubernetes"), default="local",

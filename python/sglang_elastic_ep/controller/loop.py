@@ -56,6 +56,7 @@ STATUS_PATH = "/elastic_ep/status"
 EVENTS_PATH = "/elastic_ep/events"
 HEALTH_PATH = "/elastic_ep/health"
 METRICS_PATH = "/metrics"
+ONCE_PASSES = 4  # --once: POST, launch the joiners, and a pass that finds nothing left
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,10 @@ class EventFollower:
             )
             try:
                 retrying(self.connect_once)
-            except (httpx.HTTPError, StreamRefused):
-                return  # only when stopping
+            except Exception as exc:  # noqa: BLE001 - the follower must outlive any one error
+                if self.stop.is_set():
+                    return  # stopping: the client was closed under the read
+                self.on_problem(f"event stream: {type(exc).__name__}: {exc}")
             if not self.stop.is_set():
                 self._sleep(self.retry_s)  # the server closed a followed stream
 
@@ -331,10 +334,14 @@ class ControllerLoop:
             self.log.problem("events", f"cannot read the event buffer: {exc}")
 
     def run(self, *, once: bool = False) -> None:
-        """Decide and act until ``stop`` is set (or once)."""
+        """Decide and act until ``stop`` is set; ``once``: until nothing more is to be done
+        right now (a scale-up's POST, then its joiners), at most a few passes."""
         self.prime()
         if once:
-            self.tick()
+            for _ in range(ONCE_PASSES):
+                decision = self.tick()
+                if not decision.actions or self.settings.dry_run:
+                    return
             return
         self._thread = threading.Thread(target=self.follower.run, name="eep-events",
                                         daemon=True)
@@ -357,10 +364,11 @@ class ControllerLoop:
     def close(self) -> None:
         self.stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.settings.read_timeout_s + 5)
-        self.client.close()
+        # Closing the stream's client ends a read that would otherwise wait for the next event.
         self.events_client.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.client.close()
 
     def _deliver(self, message: SSEMessage) -> None:
         self._inbox.put(message)

@@ -6,12 +6,13 @@ up threshold (``scale_up_load``, or ``kv_scale_up`` for the KV usage) for ``up_w
 straight to the size that brings the load back to ``target_load`` (at most ``max_step_up``
 ranks at once). It scales down one ``step`` at a time when the load stays below
 ``scale_down_load`` (and the KV usage below ``kv_scale_down``) for ``down_window_s``, and only
-if the smaller size would still carry at most ``target_load`` per rank. The gap between the
-thresholds is the hysteresis band: a size reached by a resize never sits beyond the opposite
-threshold, so it cannot flap. Nothing is decided for ``cooldown_s`` after the server's last
-operation finished (any operation, also one someone else asked for) or after a decision of
-this policy. While the deployment is busy (an operation runs, a rank failed) the windows
-restart. Sizes never leave ``[min_size, max_size]``: a size outside is pulled back in.
+if the smaller size would still carry at most ``target_load`` per rank (and fill at most the
+middle of the KV band). The gap between the thresholds is the hysteresis band: resizes aim
+inside it, so the same load does not reverse them. Nothing is decided for ``cooldown_s``
+after the server's last operation finished (any operation, also one someone else asked for)
+or after a decision of this policy. While the deployment is busy (an operation runs, a rank
+failed) the windows restart. Sizes never leave ``[min_size, max_size]``: a size outside is
+pulled back in.
 
 Time is whatever clock the caller passes as ``now``; ``last_finished_at`` must come from the
 same clock (the controller uses wall-clock seconds, as the server's status does).
@@ -168,7 +169,7 @@ class Autoscaler:
                 return Verdict(
                     None, f"cold for {cold_for:.0f}s of {cfg.down_window_s:g}s", inputs
                 )
-            return self._scale_down(sample, load, now, cold_for, inputs)
+            return self._scale_down(sample, load, kv, now, cold_for, inputs)
         return Verdict(None, "load inside the hysteresis band", inputs)
 
     def _scale_up(
@@ -202,6 +203,7 @@ class Autoscaler:
         self,
         sample: LoadSample,
         load: float | None,
+        kv: float | None,
         now: float,
         cold_for: float,
         inputs: dict[str, Any],
@@ -213,7 +215,8 @@ class Autoscaler:
             return Verdict(None, f"cold for {cold_for:.0f}s but already at --min-size {size}",
                            inputs)
         assert load is not None  # cold needs a load reading
-        after = load * max(1, sample.active_ranks) / smaller
+        ranks = max(1, sample.active_ranks)
+        after = load * ranks / smaller
         if after > cfg.effective_target:
             return Verdict(
                 None,
@@ -221,6 +224,17 @@ class Autoscaler:
                 f"{cfg.effective_target:g}",
                 inputs,
             )
+        if kv is not None and cfg.kv_scale_up is not None:
+            # The KV cache fills up on fewer ranks too: land mid-band, not at the hot line.
+            kv_after = kv * ranks / smaller
+            kv_mid = (cfg.kv_scale_down + cfg.kv_scale_up) / 2
+            if kv_after > kv_mid:
+                return Verdict(
+                    None,
+                    f"cold, but {smaller} ranks would fill {kv_after:.2f} of the KV cache > "
+                    f"{kv_mid:g}",
+                    inputs,
+                )
         return self._decided(
             smaller, now, f"load {load:.2f}/rank < {cfg.scale_down_load:g} for {cold_for:.0f}s",
             inputs,

@@ -291,14 +291,16 @@ def test_loop_feeds_events_to_the_controller_and_survives_junk() -> None:
     loop.close()
 
 
-def test_run_once_primes_decides_and_returns() -> None:
+def test_run_once_primes_then_posts_and_launches_the_joiner_and_returns() -> None:
     plane = make_plane()
     server = FakeServer(plane)
     server.metrics = HOT
-    loop, _ = make_loop(server, MemoryLauncher())
+    launcher = MemoryLauncher()
+    loop, _ = make_loop(server, launcher)
     loop.run(once=True)
     assert server.paths()[0] == "/elastic_ep/events"
-    assert server.posts()[0]["new_ep_size"] == 3
+    assert [p["new_ep_size"] for p in server.posts()] == [3]
+    assert [(kind, spec.rank_offset) for kind, spec in launcher.calls] == [("launch", 2)]
     loop.close()
 
 

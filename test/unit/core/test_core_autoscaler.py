@@ -113,6 +113,16 @@ def test_high_kv_usage_blocks_a_scale_down_and_no_kv_ignores_it() -> None:
     assert Autoscaler(no_kv).decide(sample(0, 4, 0.5, kv_usage=0.99)).target == 3
 
 
+def test_no_scale_down_that_would_fill_the_kv_cache_past_mid_band() -> None:
+    cfg = AutoscalerConfig(min_size=2, max_size=8, down_window_s=0, cooldown_s=0,
+                           kv_scale_up=0.9, kv_scale_down=0.5)
+    # 0.45 on 3 ranks would be 0.675 on 2 (<= 0.7, the middle of the band): allowed.
+    assert Autoscaler(cfg).decide(sample(0, 3, 0.5, kv_usage=0.45)).target == 2
+    # 0.48 on 3 ranks would be 0.72 on 2 > 0.7: held.
+    verdict = Autoscaler(cfg).decide(sample(0, 3, 0.5, kv_usage=0.48))
+    assert verdict.target is None and "KV cache" in verdict.reason
+
+
 def test_never_below_min_nor_above_max() -> None:
     a = Autoscaler(CFG)
     verdicts = [a.decide(sample(t, 2, 0)) for t in range(0, 500, 10)]
