@@ -57,6 +57,7 @@ EVENTS_PATH = "/elastic_ep/events"
 HEALTH_PATH = "/elastic_ep/health"
 METRICS_PATH = "/metrics"
 ONCE_PASSES = 4  # --once: POST, launch the joiners, and a pass that finds nothing left
+MAX_PASSES_AT_ONCE = 4  # passes without waiting after actions that went through
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class DecisionLog:
         self.dry_run = dry_run
         self._clock = clock
         self._last_holds: tuple[str, ...] = ()
+        self._last_dry: tuple[str, ...] = ()  # a dry run repeats its actions: print changes
         self._last_problems: set[str] = set()
 
     def decision(self, decision: Decision) -> None:
@@ -209,7 +211,13 @@ class DecisionLog:
             for hold in decision.holds:
                 self._emit("hold", hold.reason, hold.inputs, style="dim")
             self._last_holds = holds
-        for action in decision.actions:
+        actions = decision.actions
+        if self.dry_run:
+            shown = tuple(_shape(describe(a)[1]) for a in actions)
+            if shown == self._last_dry:
+                actions = ()
+            self._last_dry = shown
+        for action in actions:
             kind, summary = describe(action)
             prefix = "would " if self.dry_run else ""
             self._emit(kind, f"{prefix}{summary}: {action.reason}", action.inputs,
@@ -323,6 +331,8 @@ class ControllerLoop:
             on_problem=lambda m: self.log.problem("events", m), sleep=self._sleep,
         )
         self._thread: threading.Thread | None = None
+        # The last pass acted and every action went through (else wait: no tight retry loop).
+        self._acted_ok = False
 
     # --- running --------------------------------------------------------------------
 
@@ -347,10 +357,13 @@ class ControllerLoop:
                                         daemon=True)
         self._thread.start()
         try:
+            at_once = 0
             while not self.stop.is_set():
-                decision = self.tick()
-                if decision.actions and not self.settings.dry_run:
+                self.tick()
+                if self._acted_ok and at_once < MAX_PASSES_AT_ONCE:
+                    at_once += 1
                     continue  # look again at once: the server's answer moves things on
+                at_once = 0
                 self._wake.wait(self.settings.poll_interval_s)
                 self._wake.clear()
         finally:
@@ -377,6 +390,7 @@ class ControllerLoop:
     # --- one step -------------------------------------------------------------------
 
     def tick(self) -> Decision:
+        self._acted_ok = False
         self._drain_events()
         try:
             status = self._status()
@@ -397,12 +411,14 @@ class ControllerLoop:
         self.controller.observe_launches(launches)
         decision = self.controller.decide(self._clock())
         self.log.decision(decision)
+        results = []
         for action in decision.actions:
             if self.settings.dry_run:
                 if isinstance(action, ScaleTo):
                     self.controller.observe_scale_answer(action.operation_id, accepted=False)
                 continue
-            self._execute(action, status)
+            results.append(self._execute(action, status))
+        self._acted_ok = bool(results) and all(results)
         return decision
 
     def _drain_events(self) -> None:
@@ -433,11 +449,12 @@ class ControllerLoop:
             return  # a type this version does not know: the status still tells the state
         self.controller.observe_event(event)
 
-    def _execute(self, action: Action, status: StatusResponse) -> None:
+    def _execute(self, action: Action, status: StatusResponse) -> bool:
+        """Carry out one action; False when it failed or was refused."""
         try:
             if isinstance(action, ScaleTo):
-                self._post_scale(action, status)
-            elif isinstance(action, LaunchJoiner):
+                return self._post_scale(action, status)
+            if isinstance(action, LaunchJoiner):
                 launch = self.launcher.launch_joiner(action.spec)
                 self.log.outcome(f"launched {launch.handle} for rank(s) "
                                  f"{_span(launch.ranks)}", True, handle=launch.handle)
@@ -451,8 +468,10 @@ class ControllerLoop:
                 self.log.outcome(f"terminated {', '.join(handles) or 'nothing'} for rank(s) "
                                  f"{_span(action.ranks)}", True, handles=handles)
         except (LauncherError, TemplateError) as exc:
-            kind, summary = describe(action)
+            _, summary = describe(action)
             self.log.outcome(f"{summary} failed: {exc}", False)
+            return False
+        return True
 
     # --- HTTP -----------------------------------------------------------------------
 
@@ -516,7 +535,7 @@ class ControllerLoop:
             self.log.resolved("metrics")
         return reading
 
-    def _post_scale(self, action: ScaleTo, status: StatusResponse) -> None:
+    def _post_scale(self, action: ScaleTo, status: StatusResponse) -> bool:
         payload = {
             "new_ep_size": action.target,
             "operation_id": action.operation_id,
@@ -530,7 +549,7 @@ class ControllerLoop:
             self.controller.observe_scale_answer(action.operation_id, accepted=False)
             self.log.outcome(f"POST {SCALE_PATH} ({action.operation_id}) got no answer: {exc}",
                              False, operation_id=action.operation_id)
-            return
+            return False
         try:
             body = response.json()
         except ValueError:
@@ -543,3 +562,4 @@ class ControllerLoop:
             + (f" [{reason}]" if reason else ""),
             accepted, operation_id=action.operation_id, http_status=response.status_code,
         )
+        return accepted

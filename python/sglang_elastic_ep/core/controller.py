@@ -237,7 +237,10 @@ class ElasticController:
         self._launches: tuple[Launch, ...] = ()
         self._events: _EventMemory | None = None
         self._next_number = 1
-        self._asked: tuple[str, float] | None = None  # operation id, when we asked
+        self._asked: tuple[str, float, Purpose] | None = None  # id, when we asked, why
+        # A removal or regrow the server refused without recording it (or a dry run): wait
+        # --heal-retry before asking again rather than asking on every pass.
+        self._heal_quiet_until = float("-inf")
         # Relaunches that died or timed out before the rank rejoined: the server never saw
         # them, so only we count them (a restarted controller starts from zero).
         self._failed_relaunches: dict[int, int] = {}
@@ -300,6 +303,9 @@ class ElasticController:
     def observe_scale_answer(self, op_id: str, *, accepted: bool) -> None:
         """The answer to our POST (``accepted=False`` also for no answer, or a dry run)."""
         if not accepted and self._asked is not None and self._asked[0] == op_id:
+            _, asked_at, purpose = self._asked
+            if purpose in (Purpose.REMOVE, Purpose.REGROW):
+                self._heal_quiet_until = asked_at + self.config.heal_retry_s
             self._asked = None
 
     # --- the decision ---------------------------------------------------------------
@@ -320,7 +326,7 @@ class ElasticController:
             ))
 
         if self._asked is not None:
-            op_id, asked_at = self._asked
+            op_id, asked_at, _ = self._asked
             if now - asked_at <= self.config.request_timeout_s:
                 holds.append(Hold(f"waiting for the server to show operation {op_id}"))
                 return Decision(tuple(actions), tuple(holds))
@@ -375,6 +381,7 @@ class ElasticController:
 
     def _forget_instance(self) -> None:
         self._asked = None
+        self._heal_quiet_until = float("-inf")
         self._failed_relaunches.clear()
         self._counted.clear()
         self._next_number = 1
@@ -409,7 +416,7 @@ class ElasticController:
     ) -> ScaleTo:
         op_id = operation_id(self.config.op_prefix, self._next_number, purpose, target)
         self._next_number += 1
-        self._asked = (op_id, now)
+        self._asked = (op_id, now, purpose)
         return ScaleTo(target, op_id, purpose, reason, dict(inputs))
 
     def _spans(self, first: int, stop: int) -> list[int]:
@@ -582,6 +589,12 @@ class ElasticController:
                 inputs,
             ))
             return
+        if now < self._heal_quiet_until:
+            holds.append(Hold(
+                f"{who}; the last removal request was refused or unanswered: retrying in "
+                f"{self._heal_quiet_until - now:.0f}s", inputs,
+            ))
+            return
         actions.append(self._scale(
             target, Purpose.REMOVE, now,
             f"{who} (> --max-relaunches {self.config.max_relaunches}): removing ranks "
@@ -616,6 +629,12 @@ class ElasticController:
         size = status.effective_ep_size
         if target <= size:
             return False
+        if now < self._heal_quiet_until:
+            holds.append(Hold(
+                f"regrow to {target}: the last request was refused or unanswered; retrying in "
+                f"{self._heal_quiet_until - now:.0f}s"
+            ))
+            return True
         actions.append(self._scale(
             target, Purpose.REGROW, now,
             f"restore capacity after {newest.operation_id}: {size} -> {target}",

@@ -3,6 +3,7 @@ plane): what it reads, what it POSTs, what it asks the launcher, and the event s
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -12,13 +13,18 @@ import pytest
 from controller_fakes import URL, FakeServer, MemoryLauncher, make_plane, metrics_text
 from rich.console import Console
 
+from sglang_elastic_ep.api.control_plane import InProcessControlPlane
 from sglang_elastic_ep.cli.sse import SSEMessage
+from sglang_elastic_ep.controller.launchers.base import LauncherError
 from sglang_elastic_ep.controller.loop import ControllerLoop, EventFollower, LoopSettings
+from sglang_elastic_ep.core.api_models import ScaleRequest
 from sglang_elastic_ep.core.autoscaler import AutoscalerConfig
 from sglang_elastic_ep.core.controller import (
     ControllerConfig,
     ElasticController,
+    JoinerSpec,
     JoinMode,
+    Launch,
     Relaunch,
     ScaleTo,
 )
@@ -323,3 +329,47 @@ def test_run_stops_when_asked(down_for: int) -> None:
     loop.tick = counting_tick  # type: ignore[method-assign]
     loop.run()
     assert ticks == 4 and loop.stop.is_set()
+
+
+class BrokenLauncher(MemoryLauncher):
+    def launch_joiner(self, spec: JoinerSpec) -> Launch:
+        self.calls.append(("launch", spec))
+        raise LauncherError("no such image")
+
+
+def test_a_failing_action_is_logged_and_retried_at_the_poll_pace_not_in_a_tight_loop() -> None:
+    plane = make_plane()
+    server = FakeServer(plane)
+    launcher = BrokenLauncher()
+    loop, out = make_loop(server, launcher, poll_interval_s=0.01)
+    asyncio_run_scale(plane, 3)
+    waits: list[float] = []
+    original_wait = loop._wake.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        waits.append(timeout or 0.0)
+        if len(waits) >= 3:
+            loop.request_stop()
+        return original_wait(0)
+
+    loop._wake.wait = wait  # type: ignore[method-assign]
+    loop.run()
+    assert len(launcher.calls) == 3  # one failed launch per poll, each followed by a wait
+    assert out.getvalue().count("failed: no such image") == 3
+
+
+def test_dry_run_prints_a_repeated_decision_once() -> None:
+    plane = make_plane()
+    server = FakeServer(plane)
+    asyncio_run_scale(plane, 3)  # someone else's scale-up: its joiner 'would' be launched
+    loop, out = make_loop(server, MemoryLauncher(), dry_run=True)
+    for _ in range(3):
+        loop.tick()
+    assert out.getvalue().count("would launch joiner for rank(s) 2") == 1
+    loop.close()
+
+
+def asyncio_run_scale(plane: InProcessControlPlane, size: int) -> None:
+    """Someone else's scale request, straight to the control plane."""
+    answer = asyncio.run(plane.request_scale(ScaleRequest(new_ep_size=size, operation_id="ext")))
+    assert answer.status == 200

@@ -366,6 +366,16 @@ def test_a_refused_removal_is_retried_after_heal_retry() -> None:
     assert only(step(c, 116, s), ScaleTo).operation_id == "ctl-2-remove-to-3"
 
 
+def test_a_removal_refused_without_a_record_is_asked_again_after_heal_retry() -> None:
+    c = ElasticController(config(max_relaunches=0, heal_retry_s=15))
+    s = status(4, failed=[3])
+    first = only(step(c, 100, s), ScaleTo)
+    c.observe_scale_answer(first.operation_id, accepted=False)  # e.g. 409, or no answer
+    decision = step(c, 101, s)
+    assert decision.actions == () and "retrying in 14s" in decision.holds[0].reason
+    assert only(step(c, 115, s), ScaleTo).operation_id == "ctl-2-remove-to-3"
+
+
 def test_a_failed_regrow_is_retried_after_the_cooldown() -> None:
     c = ElasticController(config(policy={"cooldown_s": 60}))
     failed = op("ctl-5-regrow-to-3", 2, 3, result="failed", at=100, error="timeout")
