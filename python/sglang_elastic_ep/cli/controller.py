@@ -12,8 +12,9 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -35,14 +36,14 @@ PLACEHOLDER_HELP = (
     "operation it joins; {ep_size} the size it joins into; {deployment} --deployment"
 )
 # Config field names in error messages -> the flags that set them.
-_FLAG_OF = {
+_FLAG_OF: Mapping[str, str] = MappingProxyType({
     "min_size": "--min-size", "max_size": "--max-size", "step": "--step",
     "scale_up_load": "--scale-up-load", "scale_down_load": "--scale-down-load",
     "target_load": "--target-load", "kv_scale_up": "--kv-scale-up",
     "kv_scale_down": "--kv-scale-down", "max_step_up": "--max-step-up",
     "launch_size": "--launch-size", "max_relaunches": "--max-relaunches",
     "op_prefix": "--op-prefix",
-}
+})
 
 
 def _number(kind: Callable[[str], float], minimum: float | None = None,

@@ -16,8 +16,8 @@ from controller_fakes import FakeServer, make_plane
 from sglang_elastic_ep.cli.main import EXIT_OK, EXIT_USAGE, build_parser, main
 
 REPO = Path(__file__).resolve().parents[3]
-BASE = ["controller", "--url", "http://127.0.0.1:9", "--min-size", "2", "--max-size", "4"]
-LOCAL = [*BASE, "--command", "sleep 60 {rank_offset}"]
+BASE = ("controller", "--url", "http://127.0.0.1:9", "--min-size", "2", "--max-size", "4")
+LOCAL = (*BASE, "--command", "sleep 60 {rank_offset}")
 
 
 @pytest.fixture(autouse=True)
@@ -62,31 +62,31 @@ def main_help(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["controller", "--url", "http://x:1", "--max-size", "4"], "--min-size"),
-    ([*LOCAL, "--min-size", "0"], "--min-size: must be at least 1, got 0"),
-    ([*LOCAL, "--max-size", "two"], "--max-size: expected a whole number, got 'two'"),
-    ([*LOCAL, "--kv-scale-up", "1.5"], "--kv-scale-up: must be in [0, 1], got 1.5"),
-    ([*LOCAL, "--launcher", "slurm"], "invalid choice: 'slurm'"),
-    ([*LOCAL, "--metrics-url", "localhost:30000/metrics"], "expected an http(s):// URL"),
-    ([*LOCAL, "--frobnicate"], "unrecognized arguments: --frobnicate"),
-    ([*LOCAL, "--min-size", "6"], "need 1 <= --step <= --min-size <= --max-size"),
-    ([*LOCAL, "--step", "2", "--min-size", "3"], "--min-size and --max-size must be "
+    (("controller", "--url", "http://x:1", "--max-size", "4"), "--min-size"),
+    ((*LOCAL, "--min-size", "0"), "--min-size: must be at least 1, got 0"),
+    ((*LOCAL, "--max-size", "two"), "--max-size: expected a whole number, got 'two'"),
+    ((*LOCAL, "--kv-scale-up", "1.5"), "--kv-scale-up: must be in [0, 1], got 1.5"),
+    ((*LOCAL, "--launcher", "slurm"), "invalid choice: 'slurm'"),
+    ((*LOCAL, "--metrics-url", "localhost:30000/metrics"), "expected an http(s):// URL"),
+    ((*LOCAL, "--frobnicate"), "unrecognized arguments: --frobnicate"),
+    ((*LOCAL, "--min-size", "6"), "need 1 <= --step <= --min-size <= --max-size"),
+    ((*LOCAL, "--step", "2", "--min-size", "3"), "--min-size and --max-size must be "
                                                  "multiples of --step"),
-    ([*LOCAL, "--scale-up-load", "1", "--scale-down-load", "3"],
+    ((*LOCAL, "--scale-up-load", "1", "--scale-down-load", "3"),
      "need 0 <= --scale-down-load < --scale-up-load"),
-    ([*LOCAL, "--launch-size", "3", "--step", "2"], "--launch-size must be a multiple"),
-    ([*LOCAL, "--op-prefix", "a b"], "--op-prefix must be"),
+    ((*LOCAL, "--launch-size", "3", "--step", "2"), "--launch-size must be a multiple"),
+    ((*LOCAL, "--op-prefix", "a b"), "--op-prefix must be"),
     (BASE, "--launcher local needs --command"),
-    ([*BASE, "--command", "serve {rank}"], "unknown placeholder(s) {rank}"),
-    ([*BASE, "--command", "serve {dist_init_addr}"], "--dist-init-addr"),
-    ([*BASE, "--launcher", "kubernetes"], "--launcher kubernetes needs --pod-template"),
-    ([*BASE, "--launcher", "kubernetes", "--pod-template", "/nonexistent.yaml"],
+    ((*BASE, "--command", "serve {rank}"), "unknown placeholder(s) {rank}"),
+    ((*BASE, "--command", "serve {dist_init_addr}"), "--dist-init-addr"),
+    ((*BASE, "--launcher", "kubernetes"), "--launcher kubernetes needs --pod-template"),
+    ((*BASE, "--launcher", "kubernetes", "--pod-template", "/nonexistent.yaml"),
      "cannot read --pod-template"),
 ])
 def test_bad_flags_exit_2_with_a_clear_message(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(argv) == EXIT_USAGE
+    assert main(list(argv)) == EXIT_USAGE
     captured = capsys.readouterr()
     assert message in " ".join((captured.err + captured.out).split())
 
@@ -162,3 +162,13 @@ def test_local_mode_works_with_kubernetes_absent() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.strip().endswith("local mode ok")
     assert "pip install 'sglang-elastic-ep[kubernetes]'" in " ".join(out.stderr.split())
+
+
+def test_pyproject_declares_the_controllers_dependencies() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = " ".join(project["dependencies"])
+    for name in ("httpx", "rich", "tenacity", "psutil", "prometheus-client"):
+        assert name in deps
+    assert [d.split(">")[0] for d in project["optional-dependencies"]["kubernetes"]] == [
+        "kubernetes"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -106,8 +105,8 @@ class FakeApiServer:
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
-    yield FakeApiServer()
+def fake() -> FakeApiServer:
+    return FakeApiServer()
 
 
 def core_api(fake: FakeApiServer, monkeypatch: pytest.MonkeyPatch) -> Any:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
-PLACEHOLDERS: dict[str, str] = {
+PLACEHOLDERS: Mapping[str, str] = MappingProxyType({
     "rank_offset": "first EP rank of the joiner (--elastic-ep-join-rank-offset)",
     "num_ranks": "EP ranks in the joiner (its --tp/--ep/--dp size)",
     "join_mode": "scale (a new rank) or recover (a failed one's replacement)",
@@ -20,7 +21,7 @@ PLACEHOLDERS: dict[str, str] = {
     "operation_id": "the scale operation it joins, or the recovery attempt's id",
     "ep_size": "EP size the joiner joins into",
     "deployment": "the controller's --deployment name",
-}
+})
 _FIELD = re.compile(r"(?<![$\w{]){([a-z_][a-z0-9_]*)}(?!})")
 
 
