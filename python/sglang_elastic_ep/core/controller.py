@@ -23,8 +23,9 @@ Rules, in order, on every decision:
 2. One operation at a time: while one runs (anyone's), the only action is launching the
    joiners of a running scale-up that have none yet.
 3. A failed rank (status ``failed``) or slow one (health ``hard_blocked``) is relaunched in
-   recover mode; after ``max_relaunches`` relaunches that failed again it is removed with a
-   scale-down of the failed tail, and a scale-up then restores the size it had.
+   recover mode (``<prefix>-recover-r<rank>-e<event id of the fault>-<attempt>``); after
+   ``max_relaunches`` relaunches that failed again it is removed with a scale-down of the
+   failed tail, and a scale-up then restores the size it had.
 4. Otherwise the autoscaling policy (``core.autoscaler``) decides.
 """
 
@@ -211,8 +212,10 @@ def parse_operation_id(prefix: str, op_id: str) -> ParsedOperationId | None:
     return ParsedOperationId(int(match[1]), Purpose(match[2]), int(match[3]))
 
 
-def recover_operation_id(prefix: str, rank_offset: int, attempt: int) -> str:
-    return f"{prefix}-recover-r{rank_offset}-{attempt}"
+def recover_operation_id(prefix: str, rank_offset: int, fault: int, attempt: int) -> str:
+    """Id of one relaunch: ``fault`` is the id of the event that reported the failure (0 when
+    unknown), so relaunches for different faults of one slot never share an id."""
+    return f"{prefix}-recover-r{rank_offset}-e{fault}-{attempt}"
 
 
 @dataclass
@@ -222,7 +225,7 @@ class _EventMemory:
     instance_id: str
     last_event_id: int = 0
     failures: dict[int, int] = field(default_factory=dict)  # since the slot was last filled
-    open: set[int] = field(default_factory=set)  # failed, not recovered yet
+    open: dict[int, int] = field(default_factory=dict)  # failed, not back: rank -> event id
 
 
 class ElasticController:
@@ -267,6 +270,12 @@ class ElasticController:
 
     def observe_launches(self, launches: Iterable[Launch]) -> None:
         self._launches = tuple(launches)
+        # Ids stay unique across server restarts too: a joiner of an earlier instance's
+        # "ctl-1-grow-to-3" must not pass for the new one's.
+        numbers = [p.number for launch in self._launches
+                   if (p := parse_operation_id(self.config.op_prefix, launch.operation_id))]
+        if numbers:
+            self._next_number = max(self._next_number, max(numbers) + 1)
 
     def observe_event(self, event: EventModel) -> None:
         """One event from the stream (replays of already-seen ids are ignored)."""
@@ -280,15 +289,16 @@ class ElasticController:
             # recovery_required usually follows rank_failed for the same fault: one failure.
             for rank in event.ranks:
                 if rank not in memory.open:
-                    memory.open.add(rank)
+                    memory.open[rank] = event.event_id
                     memory.failures[rank] = memory.failures.get(rank, 0) + 1
         elif isinstance(event, RankRecoveredEvent):
-            memory.open.difference_update(event.ranks)
+            for rank in event.ranks:
+                memory.open.pop(rank, None)
         elif isinstance(event, ScaleCommittedEvent):
             # The slots were filled afresh (scale-up) or emptied (scale-down): a new rank.
             for rank in event.ranks:
                 memory.failures.pop(rank, None)
-                memory.open.discard(rank)
+                memory.open.pop(rank, None)
                 self._failed_relaunches.pop(rank, None)
 
     def observe_missed(self, instance_id: str) -> None:
@@ -384,7 +394,6 @@ class ElasticController:
         self._heal_quiet_until = float("-inf")
         self._failed_relaunches.clear()
         self._counted.clear()
-        self._next_number = 1
 
     def _releasable(self, status: StatusResponse) -> list[int]:
         safe = set(status.safe_to_terminate_ranks)
@@ -491,6 +500,13 @@ class ElasticController:
         counts = memory.failures if memory and memory.instance_id == status.instance_id else {}
         return max(max(counts.get(r, 0), 1) + self._failed_relaunches.get(r, 0) for r in span)
 
+    def _fault(self, status: StatusResponse, span: range) -> int:
+        """The event that reported the current failure of ``span`` (0 when not seen)."""
+        memory = self._events
+        if memory is None or memory.instance_id != status.instance_id:
+            return 0
+        return min((memory.open[r] for r in span if r in memory.open), default=0)
+
     def _count_failed_relaunch(self, launch: Launch) -> None:
         if launch.operation_id in self._counted:
             return
@@ -520,8 +536,9 @@ class ElasticController:
                     {"troubled": _troubled_inputs(why)},
                 ))
                 continue
+            fault = self._fault(status, span)
             failures = self._failures(status, span)
-            attempt_id = recover_operation_id(cfg.op_prefix, offset, failures)
+            attempt_id = recover_operation_id(cfg.op_prefix, offset, fault, failures)
             current = [launch for launch in self._launches if launch.operation_id == attempt_id]
             if current:
                 alive = [launch for launch in current if launch.alive]
@@ -537,7 +554,7 @@ class ElasticController:
                 for launch in current:
                     self._count_failed_relaunch(launch)
                 failures = self._failures(status, span)
-                attempt_id = recover_operation_id(cfg.op_prefix, offset, failures)
+                attempt_id = recover_operation_id(cfg.op_prefix, offset, fault, failures)
             inputs = {"troubled": _troubled_inputs(why), "failures": failures,
                       "max_relaunches": cfg.max_relaunches}
             if failures > cfg.max_relaunches:

@@ -168,10 +168,12 @@ def test_a_failed_rank_is_relaunched_then_removed_and_regrown_across_a_controlle
     # Rank 2 dies: relaunched in recover mode (its old process replaced).
     plane.report_rank_failed([2], "heartbeat lost")
     plane.report_recovery_required([2], "heartbeat lost")
+    loop.follower.connect_once()  # the stream delivers them (then drops)
     decision = loop.tick()
     assert [type(a) for a in decision.actions] == [Relaunch]
     assert launcher.calls[-1][0] == "replace"
-    assert launcher.calls[-1][1].operation_id == "ctl-recover-r2-1"
+    failed_event = plane.events.last_event_id - 1  # rank_failed, then recovery_required
+    assert launcher.calls[-1][1].operation_id == f"ctl-recover-r2-e{failed_event}-1"
     plane.report_rank_recovered([2])
     loop.tick()
     loop.close()

@@ -276,9 +276,9 @@ def test_a_failed_rank_is_relaunched_in_recover_mode_once() -> None:
     s = status(3, failed=[2])
     action = only(step(c, 100, s, launches=[launch(2, "ctl-1-grow-to-3")]), Relaunch)
     assert (action.spec.rank_offset, action.spec.mode, action.spec.operation_id,
-            action.attempt, action.spec.ep_size) == (2, JoinMode.RECOVER, "ctl-recover-r2-1", 1,
-                                                     3)
-    replacement = launch(2, "ctl-recover-r2-1", mode=JoinMode.RECOVER, started=100)
+            action.attempt, action.spec.ep_size) == (2, JoinMode.RECOVER, "ctl-recover-r2-e1-1",
+                                                     1, 3)
+    replacement = launch(2, "ctl-recover-r2-e1-1", mode=JoinMode.RECOVER, started=100)
     decision = step(c, 101, s, launches=[replacement])
     assert decision.actions == () and "waiting for the replacement" in decision.holds[0].reason
 
@@ -295,7 +295,7 @@ def test_a_replacement_that_dies_before_rejoining_counts_as_a_failure() -> None:
     first = only(step(c, 100, s), Relaunch)
     dead = launch(2, first.spec.operation_id, alive=False, mode=JoinMode.RECOVER)
     second = only(step(c, 110, s, launches=[dead]), Relaunch)
-    assert (second.attempt, second.spec.operation_id) == (2, "ctl-recover-r2-2")
+    assert (second.attempt, second.spec.operation_id) == (2, "ctl-recover-r2-e0-2")
     dead2 = launch(2, second.spec.operation_id, alive=False, mode=JoinMode.RECOVER)
     third = only(step(c, 120, s, launches=[dead, dead2]), ScaleTo)
     assert (third.purpose, third.target, third.operation_id) == (Purpose.REMOVE, 2,
@@ -306,7 +306,7 @@ def test_a_replacement_not_back_within_the_recover_timeout_counts_as_a_failure()
     c = ElasticController(config(recover_timeout_s=300))
     s = status(3, failed=[2])
     only(step(c, 100, s), Relaunch)
-    slow = launch(2, "ctl-recover-r2-1", mode=JoinMode.RECOVER, started=100)
+    slow = launch(2, "ctl-recover-r2-e0-1", mode=JoinMode.RECOVER, started=100)
     assert step(c, 399, s, launches=[slow]).actions == ()
     again = only(step(c, 401, s, launches=[slow]), Relaunch)
     assert again.attempt == 2  # the relaunch stops the stuck one (same ranks) first
@@ -343,6 +343,26 @@ def test_after_max_relaunches_failures_the_rank_is_removed_then_the_size_regrown
     regrown = op("ctl-2-regrow-to-3", 2, 3, result="succeeded", at=200)
     relaunch = only(step(c, 300, status(3, failed=[2], recent=[regrown, done])), Relaunch)
     assert relaunch.attempt == 1
+
+
+def test_a_relaunch_for_an_earlier_fault_of_the_slot_does_not_count_now() -> None:
+    c = ElasticController(config(max_relaunches=2))
+    e = Event()
+    c.observe_event(e.failed(2))  # fault 1: relaunched, came back
+    c.observe_event(e.recovered(2))
+    c.observe_event(e.failed(2))  # fault 3: the second failure
+    earlier = launch(2, "ctl-recover-r2-e1-1", mode=JoinMode.RECOVER, alive=False)
+    action = only(step(c, 100, status(3, failed=[2]), launches=[earlier]), Relaunch)
+    assert (action.attempt, action.spec.operation_id) == (2, "ctl-recover-r2-e3-2")
+
+
+def test_numbering_continues_past_the_launchers_joiners_after_a_server_restart() -> None:
+    c = ElasticController(config())
+    # An earlier server instance's joiner, long dead; the restarted server shows no operation.
+    old = launch(2, "ctl-9-grow-to-3", alive=False)
+    action = only(step(c, 100, status(2, instance="inst-new"), load=HOT, launches=[old]),
+                  ScaleTo)
+    assert action.operation_id == "ctl-10-grow-to-3"
 
 
 def test_max_relaunches_zero_removes_at_the_first_failure() -> None:
@@ -423,7 +443,7 @@ def test_a_restarted_controller_continues_a_removal_with_the_regrow() -> None:
 
 def test_a_restarted_controller_adopts_a_running_replacement() -> None:
     fresh = ElasticController(config())
-    running = launch(2, "ctl-recover-r2-1", mode=JoinMode.RECOVER, started=90)
+    running = launch(2, "ctl-recover-r2-e0-1", mode=JoinMode.RECOVER, started=90)
     decision = step(fresh, 100, status(3, failed=[2]), launches=[running])
     assert decision.actions == () and "waiting for the replacement" in decision.holds[0].reason
 
@@ -469,7 +489,7 @@ def test_operation_ids_round_trip_and_foreign_ids_are_ignored() -> None:
         12, Purpose.REGROW, 4)
     assert parse_operation_id("ctl", "other-12-grow-to-4") is None
     assert parse_operation_id("ctl", "ctl-12-grow-to-4x") is None
-    assert recover_operation_id("ctl", 3, 2) == "ctl-recover-r3-2"
+    assert recover_operation_id("ctl", 3, 17, 2) == "ctl-recover-r3-e17-2"
 
 
 @pytest.mark.parametrize("kwargs", [
