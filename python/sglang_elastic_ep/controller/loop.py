@@ -320,6 +320,10 @@ class ControllerLoop:
             base_url=settings.url, headers=headers, timeout=settings.http_timeout_s,
             transport=transport, trust_env=False,
         )
+        # Other servers' /metrics (joiners) get no API key: SGLang serves /metrics without one.
+        self.metrics_client = httpx.Client(
+            timeout=settings.http_timeout_s, transport=transport, trust_env=False,
+        )
         self.events_client = httpx.Client(
             base_url=settings.url, headers=headers, transport=transport, trust_env=False,
             timeout=httpx.Timeout(settings.http_timeout_s, read=settings.read_timeout_s),
@@ -382,6 +386,7 @@ class ControllerLoop:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.client.close()
+        self.metrics_client.close()
 
     def _deliver(self, message: SSEMessage) -> None:
         self._inbox.put(message)
@@ -485,7 +490,10 @@ class ControllerLoop:
         )
 
     def _get(self, url: str) -> httpx.Response:
-        return self._retrying()(self.client.get, url)
+        own = not url.startswith(("http://", "https://")) or httpx.URL(url).netloc == \
+            httpx.URL(self.settings.url).netloc
+        client = self.client if own else self.metrics_client
+        return self._retrying()(client.get, url)
 
     def _status(self) -> StatusResponse:
         try:

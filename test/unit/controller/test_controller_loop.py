@@ -375,3 +375,19 @@ def asyncio_run_scale(plane: InProcessControlPlane, size: int) -> None:
     """Someone else's scale request, straight to the control plane."""
     answer = asyncio.run(plane.request_scale(ScaleRequest(new_ep_size=size, operation_id="ext")))
     assert answer.status == 200
+
+
+def test_load_from_several_metrics_urls_and_the_api_key_only_to_the_server() -> None:
+    plane = make_plane()
+    server = FakeServer(plane)
+    server.metrics = HOT
+    loop, _ = make_loop(server, MemoryLauncher(), api_key="sekret",
+                        metrics_urls=(f"{URL}/metrics", "http://joiner.test:31002/metrics"))
+    decision = loop.tick()
+    scale = [a for a in decision.actions if isinstance(a, ScaleTo)]
+    assert [a.inputs["load_per_rank"] for a in scale] == [20.0]
+    auth = {(r.url.host, r.url.path): r.headers.get("authorization") for r in server.requests}
+    assert auth[("eep.test", "/elastic_ep/status")] == "Bearer sekret"
+    assert auth[("eep.test", "/metrics")] == "Bearer sekret"
+    assert auth[("joiner.test", "/metrics")] is None
+    loop.close()
