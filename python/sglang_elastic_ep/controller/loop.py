@@ -44,6 +44,7 @@ from sglang_elastic_ep.core.controller import (
     Decision,
     ElasticController,
     Hold,
+    Launch,
     LaunchJoiner,
     LoadReading,
     Relaunch,
@@ -337,6 +338,7 @@ class ControllerLoop:
         self._thread: threading.Thread | None = None
         # The last pass acted and every action went through (else wait: no tight retry loop).
         self._acted_ok = False
+        self._running_handles: set[str] = set()  # joiners seen running at the last pass
 
     # --- running --------------------------------------------------------------------
 
@@ -413,6 +415,7 @@ class ControllerLoop:
             self.log.problem("launcher", f"cannot list what the launcher runs: {exc}")
             return Decision(holds=(Hold(f"cannot list the launcher's joiners: {exc}"),))
         self.log.resolved("launcher")
+        self._report_ended(launches)
         self.controller.observe_launches(launches)
         decision = self.controller.decide(self._clock())
         self.log.decision(decision)
@@ -425,6 +428,19 @@ class ControllerLoop:
             results.append(self._execute(action, status))
         self._acted_ok = bool(results) and all(results)
         return decision
+
+    def _report_ended(self, launches: list[Launch]) -> None:
+        """Say once when a joiner this controller saw running has ended, with its exit code."""
+        running = {launch.handle for launch in launches if launch.alive}
+        for launch in launches:
+            if not launch.alive and launch.handle in self._running_handles:
+                code = "unknown" if launch.exit_code is None else str(launch.exit_code)
+                self.log.outcome(
+                    f"joiner {launch.handle} for rank(s) {_span(launch.ranks)} exited with "
+                    f"code {code}", launch.exit_code in (0, None),
+                    handle=launch.handle, exit_code=launch.exit_code,
+                )
+        self._running_handles = running
 
     def _drain_events(self) -> None:
         while True:

@@ -91,6 +91,7 @@ class Launch:
     operation_id: str
     alive: bool
     started_at: float | None = None  # wall-clock seconds
+    exit_code: int | None = None  # once it ended, where the launcher can tell
 
     @property
     def ranks(self) -> range:

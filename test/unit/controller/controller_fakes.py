@@ -140,9 +140,9 @@ class MemoryLauncher:
     def list(self) -> list[Launch]:
         return list(self.launches)
 
-    def exit(self, handle: str) -> None:
+    def exit(self, handle: str, code: int | None = 0) -> None:
         """The process ended by itself."""
-        self.launches = [replace(x, alive=False) if x.handle == handle else x
+        self.launches = [replace(x, alive=False, exit_code=code) if x.handle == handle else x
                          for x in self.launches]
 
     def _start(self, spec: JoinerSpec) -> Launch:

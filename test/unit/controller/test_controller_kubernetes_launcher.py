@@ -229,6 +229,21 @@ def test_a_pod_being_deleted_is_not_alive(fake: FakeApiServer,
     assert [x.alive for x in launcher.list()] == [False]
 
 
+def test_an_ended_pod_reports_its_servers_exit_code(fake: FakeApiServer,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = make(fake, monkeypatch)
+    launch = launcher.launch_joiner(spec(8))
+    assert launcher.list()[0].exit_code is None
+    fake.pods[(NS, launch.handle)]["status"] = {
+        "phase": "Succeeded",
+        "containerStatuses": [{"name": "sglang", "image": "i", "imageID": "", "ready": False,
+                               "restartCount": 0, "containerID": "c1",
+                               "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}],
+    }
+    (ended,) = launcher.list()
+    assert (ended.alive, ended.exit_code) == (False, 0)
+
+
 def test_api_errors_become_launcher_errors(fake: FakeApiServer,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     launcher = make(fake, monkeypatch)

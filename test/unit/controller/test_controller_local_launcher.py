@@ -135,6 +135,25 @@ def test_sigkill_fallback_for_a_joiner_and_children_that_ignore_sigterm(
     started.append(child)
     launcher.terminate([2])
     assert gone(pid_of(launch)) and gone(child)
+    assert launcher.list()[0].exit_code == -9  # SIGKILLed after the grace
+
+
+def test_terminate_lets_a_server_stop_its_children_and_keeps_its_exit_code(
+    tmp_path: Path, started: list[int]
+) -> None:
+    children = tmp_path / "child.pid"
+    # Like SGLang's launch_server: on SIGTERM it stops its own child, then exits 0.
+    command = (f"sh -c 'sleep 60 & echo $! > {children}; "
+               "trap \"kill $!; exit 0\" TERM; wait' -- {rank_offset}")
+    launcher = make(tmp_path, command)
+    launch = launcher.launch_joiner(spec(2))
+    started.append(pid_of(launch))
+    wait_until(lambda: children.exists() and children.read_text().strip() != "", 30,
+               "the joiner started its child")
+    started.append(int(children.read_text()))
+    (stopped,) = launcher.terminate([2])
+    assert gone(pid_of(launch)) and gone(int(children.read_text()))
+    assert launcher.list()[0].exit_code == 0
 
 
 def test_replacement_stops_exactly_the_failed_ranks_joiner_and_starts_recover(
@@ -151,11 +170,17 @@ def test_replacement_stops_exactly_the_failed_ranks_joiner_and_starts_recover(
         JoinMode.RECOVER, "ctl-recover-r2-1", 2)
 
 
-def test_an_exited_joiner_is_listed_as_not_alive(tmp_path: Path) -> None:
-    launcher = make(tmp_path, "true {rank_offset}")
+@pytest.mark.parametrize(("command", "code"), [("true {rank_offset}", 0),
+                                               ("sh -c 'exit 3' -- {rank_offset}", 3)])
+def test_an_exited_joiner_is_listed_as_not_alive_with_its_exit_code(
+    tmp_path: Path, command: str, code: int
+) -> None:
+    launcher = make(tmp_path, command)
     launch = launcher.launch_joiner(spec(2))
+    assert launch.exit_code is None
     wait_until(lambda: not launcher.list()[0].alive, 30, "the joiner exited")
-    assert launcher.list()[0].handle == launch.handle
+    (ended,) = launcher.list()
+    assert (ended.handle, ended.exit_code) == (launch.handle, code)
 
 
 def test_a_restarted_controller_adopts_its_running_joiners_and_kills_them_by_pid(

@@ -391,3 +391,21 @@ def test_load_from_several_metrics_urls_and_the_api_key_only_to_the_server() -> 
     assert auth[("eep.test", "/metrics")] == "Bearer sekret"
     assert auth[("joiner.test", "/metrics")] is None
     loop.close()
+
+
+def test_a_joiner_that_ends_is_reported_once_with_its_exit_code() -> None:
+    plane = make_plane()
+    server = FakeServer(plane)
+    server.metrics = HOT
+    launcher = MemoryLauncher()
+    loop, out = make_loop(server, launcher)
+    loop.tick()  # POST
+    loop.tick()  # the joiner for rank 2 is launched
+    loop.tick()  # and seen running
+    (launch,) = launcher.list()
+    launcher.exit(launch.handle, code=0)
+    loop.tick()
+    loop.tick()
+    text = out.getvalue()
+    assert text.count(f"joiner {launch.handle} for rank(s) 2 exited with code 0") == 1
+    loop.close()

@@ -115,6 +115,19 @@ def base_server_args(spec: ClusterSpec, port: int) -> list[str]:
     return args + list(spec.extra_args)
 
 
+def server_env(extra_env: dict[str, str], first_rank: int, ranks: int) -> dict[str, str]:
+    """What a CPU server of ``ranks`` EP ranks from ``first_rank`` on gets on top of the
+    caller's environment: the CPU settings, ``extra_env``, and its cores."""
+    env = {**CPU_ENV, **extra_env}
+    # One OMP thread set per rank; EP rank r runs on core r mod cores, whichever server
+    # holds it, so joiners do not all pile onto core 0.
+    ncores = max(1, os.cpu_count() or 1)
+    env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+        str((first_rank + i) % ncores) for i in range(ranks)
+    )
+    return env
+
+
 class ServerProcess:
     """One ``sglang.launch_server`` process (and its children), started in its own session."""
 
@@ -133,13 +146,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{port}.log"
-        env = {**os.environ, **CPU_ENV, **(extra_env or {})}
-        # One OMP thread set per rank; EP rank r runs on core r mod cores, whichever server
-        # holds it, so joiners do not all pile onto core 0.
-        ncores = max(1, os.cpu_count() or 1)
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
-            str((first_rank + i) % ncores) for i in range(cpus)
-        )
+        env = {**os.environ, **server_env(extra_env or {}, first_rank, cpus)}
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "sglang.launch_server", *args],
@@ -365,26 +372,30 @@ class LocalCluster:
         if mode not in ("scale", "recover"):
             raise ValueError(f"join mode must be 'scale' or 'recover', got {mode!r}")
         port = self._take_port(derived_offset=JOINER_PORT_DELTA)
-        args = base_server_args(self.spec, port) + self._nccl_port_args()
-        args[args.index("--tp") + 1] = str(size)
-        args[args.index("--ep") + 1] = str(size)
-        args[args.index("--dp") + 1] = str(size)
-        args += [
-            "--dist-init-addr", f"127.0.0.1:{self.dist_port}",
-            "--ep-join-mode", mode,
-            "--nnodes", "2", "--node-rank", "1",
-            "--moe-dense-tp-size", "1",
-        ]
-        args += [
-            "--elastic-ep-join-rank-offset", str(rank_offset),
-            "--elastic-ep-initial-size", str(self.spec.ep_size),
-        ]
+        args = self.joiner_args(mode, str(rank_offset), str(size), str(port))
         joiner = ServerProcess(
             f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size, self.env,
             first_rank=rank_offset,
         )
         self.joiners.append(joiner)
         return joiner
+
+    def joiner_args(self, mode: str, rank_offset: str, size: str, port: str) -> list[str]:
+        """A joiner's ``sglang.launch_server`` arguments; the values may be a command
+        template's placeholders (``{rank_offset}``) for a controller to fill in."""
+        args = base_server_args(self.spec, 0) + self._nccl_port_args()
+        args[args.index("--port") + 1] = port
+        args[args.index("--tp") + 1] = size
+        args[args.index("--ep") + 1] = size
+        args[args.index("--dp") + 1] = size
+        return args + [
+            "--dist-init-addr", f"127.0.0.1:{self.dist_port}",
+            "--ep-join-mode", mode,
+            "--nnodes", "2", "--node-rank", "1",
+            "--moe-dense-tp-size", "1",
+            "--elastic-ep-join-rank-offset", rank_offset,
+            "--elastic-ep-initial-size", str(self.spec.ep_size),
+        ]
 
     def kill_rank(self, ep_rank: int) -> int:
         """SIGKILL the scheduler process of one EP rank of the primary; returns its pid."""

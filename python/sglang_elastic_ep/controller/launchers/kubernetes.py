@@ -230,6 +230,7 @@ class KubernetesLauncher:
             or labels.get(LABEL_OPERATION, ""),
             alive=phase in _ALIVE_PHASES and meta.deletion_timestamp is None,
             started_at=created.timestamp() if created is not None else self._clock(),
+            exit_code=_exit_code(pod),
         )
 
     def _delete(self, ranks: Collection[int]) -> list[Launch]:
@@ -248,3 +249,13 @@ class KubernetesLauncher:
                 ) from exc
             deleted.append(launch)
         return deleted
+
+
+def _exit_code(pod: Any) -> int | None:
+    """The exit code of the Pod's first terminated container (the server), if any ended."""
+    statuses = (pod.status.container_statuses or []) if pod.status is not None else []
+    for container in statuses:
+        terminated = container.state.terminated if container.state is not None else None
+        if terminated is not None:
+            return int(terminated.exit_code)
+    return None

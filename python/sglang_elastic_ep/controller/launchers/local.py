@@ -136,7 +136,8 @@ class LocalLauncher:
     def list(self) -> list[Launch]:
         for joiner in self._joiners.values():
             if joiner.launch.alive and not self._running(joiner):
-                joiner.launch = replace(joiner.launch, alive=False)
+                code = joiner.popen.returncode if joiner.popen is not None else None
+                joiner.launch = replace(joiner.launch, alive=False, exit_code=code)
         return [j.launch for j in self._joiners.values()]
 
     # --- internals ------------------------------------------------------------------
@@ -183,31 +184,38 @@ class LocalLauncher:
             return False
 
     def _stop(self, joiner: _Joiner) -> None:
-        """SIGTERM the joiner and its descendants by pid, SIGKILL what outlives the grace."""
+        """SIGTERM the joiner (a server stops its own children and exits 0, as when it
+        leaves by itself), then SIGKILL by pid what is left of its tree after the grace."""
         root = self._process(joiner)
         if root is not None:
             try:
                 tree = [root, *root.children(recursive=True)]  # before the parent goes
+                root.terminate()
             except psutil.NoSuchProcess:
                 tree = []
-            for proc in tree:
+            if joiner.popen is not None:  # its own child: popen reaps it and keeps the code
                 try:
-                    proc.terminate()
-                except psutil.NoSuchProcess:
+                    joiner.popen.wait(timeout=self.kill_grace_s)
+                except subprocess.TimeoutExpired:
                     pass
-            _, alive = psutil.wait_procs(tree, timeout=self.kill_grace_s)
+            else:
+                psutil.wait_procs([root], timeout=self.kill_grace_s)
+            alive = [proc for proc in tree if _running(proc)]
             for proc in alive:
                 try:
                     proc.kill()
                 except psutil.NoSuchProcess:
                     pass
-            psutil.wait_procs(alive, timeout=10)
+            # Not the root when it is our child: popen must reap it, or its exit code is lost.
+            owned = joiner.popen.pid if joiner.popen is not None else None
+            psutil.wait_procs([p for p in alive if p.pid != owned], timeout=10)
         if joiner.popen is not None:
             try:
                 joiner.popen.wait(timeout=10)
             except subprocess.TimeoutExpired as exc:
                 raise LauncherError(f"pid {joiner.pid} survived SIGKILL") from exc
-        joiner.launch = replace(joiner.launch, alive=False)
+        code = joiner.popen.returncode if joiner.popen is not None else None
+        joiner.launch = replace(joiner.launch, alive=False, exit_code=code)
 
     def _prune(self) -> None:
         exited = [key for key, j in self._joiners.items() if not j.launch.alive]
@@ -245,3 +253,10 @@ class LocalLauncher:
                     operation_id=env.get(ENV_OPERATION_ID, ""), alive=True, started_at=created,
                 )
                 self._joiners[launch_id] = _Joiner(launch, proc.pid, created, None)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
