@@ -23,7 +23,7 @@ from sglang_elastic_ep_testbed.cli import StateFile
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
-from sglang_elastic_ep_testbed.cluster.procs import kill_tree
+from sglang_elastic_ep_testbed.cluster.procs import kill_tree, off_loopback_sockets
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 MAX_NEW_TOKENS = 16
@@ -106,6 +106,9 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path) -
         nixl_outputs, nixl_shards = greedy_outputs(state.url)
         nixl_chat = chat(state.url)
         check_contract_rejects_bad_input(state.url, max_size=4)
+        # Mooncake's transfer engine, NIXL (UCX), SGLang's own sockets: all on loopback.
+        off = off_loopback_sockets(server.pid for server in state.servers)
+        assert not off, f"sockets off loopback: {off[:5]}"
         shown = run_testbed(state_dir, "show")
         assert shown.returncode == 0, shown.stdout
         for server in state.servers:

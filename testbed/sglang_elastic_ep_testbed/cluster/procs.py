@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -71,6 +73,31 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def off_loopback_sockets(root_pids: Iterable[int]) -> list[str]:
+    """Every IP socket of these process trees bound or connected to an address other than
+    loopback, as ``pid name laddr -> raddr``: the CPU cluster must have none. A listener on
+    the wildcard address (torch's TCPStore, for one) is not counted: it is a connection to
+    loopback that the cluster makes, which this checks."""
+    def off_loopback(addr: Any) -> bool:
+        if not addr or addr.ip in ("0.0.0.0", "::"):
+            return False
+        ip = ipaddress.ip_address(addr.ip.split("%")[0])
+        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+        return not (mapped or ip).is_loopback
+
+    found = []
+    for root in root_pids:
+        for proc in process_tree(root):
+            try:
+                sockets = proc.net_connections(kind="inet")
+                name = proc.name()
+            except psutil.Error:
+                continue
+            found += [f"{proc.pid} {name} {sock.laddr} -> {sock.raddr or '-'}"
+                      for sock in sockets if off_loopback(sock.laddr) or off_loopback(sock.raddr)]
+    return found
 
 
 def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:

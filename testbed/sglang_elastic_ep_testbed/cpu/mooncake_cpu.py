@@ -19,6 +19,8 @@ from sglang_elastic_ep.sglang.args import ENV_COLLECTIVE_TIMEOUT, ENV_FAULT_WIND
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
+
 
 # init_distributed_environment's arguments that init_process_group needs but is not given.
 _world_options: dict[str, Any] = {}
@@ -45,10 +47,13 @@ def init_distributed_environment(original: Callable, *args: Any, **kwargs: Any) 
     return original(*args, **kwargs)
 
 
-def apply_timeouts() -> None:
-    """Mooncake's timeouts are process-wide settings; apply ours before groups exist."""
+def apply_process_settings() -> None:
+    """Mooncake's process-wide settings, applied before groups exist: our timeouts, and the
+    loopback address (otherwise its transfer engine and coordinator listen on, and peers
+    connect to, the machine's first LAN address: the CPU cluster stays on 127.0.0.1)."""
     from mooncake import pg
 
+    pg.set_host_ip(LOOPBACK)
     timeout = os.environ.get(ENV_COLLECTIVE_TIMEOUT)
     window = os.environ.get(ENV_FAULT_WINDOW)
     if timeout:
@@ -77,7 +82,7 @@ def init_process_group(original: Callable, *args: Any, **kwargs: Any) -> Any:
     a scale joiner asks for the largest WORLD reached so far (``world_high_water``)."""
     if kwargs.get("backend") != "mooncake-cpu":
         return original(*args, **kwargs)
-    apply_timeouts()
+    apply_process_settings()
     store = _joiner_store(kwargs.get("init_method"))
     if store is not None:
         asked = int(kwargs["world_size"])
