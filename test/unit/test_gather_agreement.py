@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sglang_elastic_ep.core.agreement import (
+    PROPOSAL_COLUMNS,
     LockstepVerdict,
     Proposal,
     StepKind,
@@ -122,8 +123,8 @@ def test_the_columns_ride_in_the_row_and_come_back_from_the_host_copy(ranks: Any
     sync = info(3)
     all_reduce_gather(rows, fallback, sync, active=[1, 1, 1])
     assert sync.tp0_info_cpu[:, 0].tolist() == [0, 0, 0]  # upstream's own columns unchanged
-    columns = gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, 5 + 2)
-    assert columns[2] == [0] * 7  # slot 2: nobody wrote it
+    columns = gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, PROPOSAL_COLUMNS + 2)
+    assert columns[2] == [0] * (PROPOSAL_COLUMNS + 2)  # slot 2: nobody wrote it
     assert columns[0] == pack_row(proposals[0], [10, 7])
     assert gathered_round(columns).verdict is LockstepVerdict.ENTER
 
@@ -138,7 +139,7 @@ def test_rows_of_every_attention_tp_rank_are_read_not_only_tp0(ranks: Any, devic
         proposal = Proposal(rank=rank, kind=StepKind.GROW, ready=ready, target=4, serving=4)
         rows[rank], fallback, _ = build_row(ranks, rank, proposal, device, [], 2)
     all_reduce_gather(rows, fallback, sync, active=[1, 1, 1, 1])
-    columns = gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, 5)
+    columns = gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, PROPOSAL_COLUMNS)
     assert [c[0] for c in columns] == [1, 2, 3, 4]
     assert gathered_round(columns).verdict is LockstepVerdict.WAIT
 
@@ -166,8 +167,9 @@ def verdicts_over_passes(ranks: Any, device: str) -> list[LockstepVerdict]:
         for _reader in range(3):  # every rank reads the same gathered rows
             sync = info(3)
             all_reduce_gather(rows, fallback, sync, active)
-            seen.append(gathered_round(
-                gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, 7)).verdict)
+            columns = gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH,
+                                                        PROPOSAL_COLUMNS + 2)
+            seen.append(gathered_round(columns).verdict)
         assert len(set(seen)) == 1
         out.append(seen[0])
     return out
@@ -194,7 +196,7 @@ def test_a_layout_the_reader_does_not_know_fails_loudly(ranks: Any) -> None:
     sync = info(2)
     sync.tp0_info_cpu = torch.zeros(2, UPSTREAM_WIDTH + 3, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="unexpected gathered rows"):
-        gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, 5)
+        gather_agreement.gathered_columns(sync, UPSTREAM_WIDTH, PROPOSAL_COLUMNS)
 
 
 # ------------------------------------------------------- the gather hook and the state machine

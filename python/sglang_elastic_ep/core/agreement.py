@@ -288,6 +288,7 @@ class LockstepVerdict(str, enum.Enum):
     NOTHING_PENDING = "nothing_pending"  # no rank sees a scale: run the normal per-pass step
     ENTER = "enter"  # every rank is ready for the same target: enter the membership step
     WAIT = "wait"  # some rank is not ready (saw the request later, or sees no joiner yet)
+    ABORT = "abort"  # some rank calls the pending step off (cancelled, timed out): all drop it
 
 
 def lockstep_verdict(max_ready: int, min_ready: int, max_target: int) -> LockstepVerdict:
@@ -319,6 +320,14 @@ class StepKind(enum.IntEnum):
     LET_GO = 3  # the survivors let go of a failed tail of scale-joined ranks
 
 
+class AbortReason(enum.IntEnum):
+    """Why a rank calls its pending step off; an integer column of its gather row."""
+
+    NONE = 0
+    CANCELLED = 1  # the operation was cancelled (``DELETE /scale_elastic_ep/{id}``)
+    TIMED_OUT = 2  # the step did not become ready within the scale timeout
+
+
 @dataclass(frozen=True)
 class Proposal:
     """One rank's input to the verdict of one pass.
@@ -333,6 +342,7 @@ class Proposal:
     ready: int  # ``target`` when this rank can enter the step now, else 0
     target: int  # the size this rank sees requested (0: none)
     serving: int  # the EP size this rank serves on now
+    abort: AbortReason = AbortReason.NONE  # this rank calls its pending step off
 
     def __post_init__(self) -> None:
         problem = _proposal_problem(self)
@@ -340,7 +350,7 @@ class Proposal:
             raise ValueError(problem)
 
 
-PROPOSAL_COLUMNS = 5  # member (rank + 1; 0 = no row), kind, ready, target, serving
+PROPOSAL_COLUMNS = 6  # member (rank + 1; 0 = no row), kind, ready, target, serving, abort
 
 
 def _proposal_problem(p: Proposal) -> str | None:
@@ -350,13 +360,15 @@ def _proposal_problem(p: Proposal) -> str | None:
         return f"rank {p.rank}: ready {p.ready} is neither 0 nor its target {p.target}"
     if (p.kind is StepKind.NONE) != (p.target == 0):
         return f"rank {p.rank}: step {p.kind.name} with target {p.target}"
+    if p.abort is not AbortReason.NONE and p.kind not in (StepKind.GROW, StepKind.SHRINK):
+        return f"rank {p.rank}: abort of step {p.kind.name} (only a scale is called off)"
     return None
 
 
 def pack_row(proposal: Proposal, timings: Sequence[int] = ()) -> list[int]:
     """This rank's columns of the gather: the proposal, then its own expert timings."""
     return [proposal.rank + 1, int(proposal.kind), proposal.ready, proposal.target,
-            proposal.serving, *timings]
+            proposal.serving, int(proposal.abort), *timings]
 
 
 def blank_row(timing_width: int) -> list[int]:
@@ -377,9 +389,8 @@ def unpack_rows(rows: Sequence[Sequence[int]]) -> tuple[list[Proposal], str | No
         if member < 0 or len(head) < PROPOSAL_COLUMNS:
             return proposals, f"malformed gather row {head}"
         try:
-            kind = StepKind(head[1])
-            proposal = Proposal(rank=member - 1, kind=kind, ready=head[2], target=head[3],
-                                serving=head[4])
+            proposal = Proposal(rank=member - 1, kind=StepKind(head[1]), ready=head[2],
+                                target=head[3], serving=head[4], abort=AbortReason(head[5]))
         except ValueError as exc:
             return proposals, f"malformed gather row {head}: {exc}"
         if proposal.rank in seen:
@@ -408,6 +419,12 @@ def verdict_from_proposals(proposals: Sequence[Proposal],
         return GatheredRound(LockstepVerdict.WAIT, found, problem)
     if not found:
         return GatheredRound(LockstepVerdict.WAIT, found, "no rank's row in the gather")
+    aborting = sorted({(p.abort, p.target) for p in found if p.abort is not AbortReason.NONE})
+    if aborting:
+        # Before anything else: a rank that calls the step off never enters it, so no rank may.
+        reason, target = aborting[0]
+        return GatheredRound(LockstepVerdict.ABORT, found,
+                             f"the scale to {target} is called off ({reason.name.lower()})")
     serving = sorted({p.serving for p in found})
     if len(serving) > 1:
         return GatheredRound(LockstepVerdict.WAIT, found,

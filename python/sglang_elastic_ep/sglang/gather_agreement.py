@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_elastic_ep.core.agreement import (
+    AbortReason,
     GatheredRound,
     LockstepVerdict,
     Proposal,
@@ -40,6 +41,7 @@ from sglang_elastic_ep.core.agreement import (
     pack_row,
 )
 from sglang_elastic_ep.sglang import expert_health, tail_recovery
+from sglang_elastic_ep.sglang.scale_abort import abort_reason
 from sglang_elastic_ep.sglang.scale_down import is_shrink, scale_down_state
 from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
@@ -231,8 +233,16 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
     else:
         kind, ready = StepKind.NONE, 0
     ready = readiness_skew(runner).apply(ready)
-    return Proposal(rank=rank, kind=kind, ready=ready, target=target,
-                    serving=int(state.effective_ep_size))
+    abort = abort_reason(state, kind, target, scale_timeout_s())
+    return Proposal(rank=rank, kind=kind, ready=0 if abort else ready, target=target,
+                    serving=int(state.effective_ep_size), abort=abort)
+
+
+def scale_timeout_s() -> float:
+    """``--elastic-ep-scale-timeout``: how long a scale-up may wait for its joiners."""
+    from sglang.srt.runtime_context import get_exec
+
+    return float(get_exec().moe.elastic_ep_scale_timeout or 0)
 
 
 def _slots_per_rank() -> int:
@@ -355,9 +365,13 @@ def agree_by_all_reduce(state: Any, runner: Any) -> AgreedRound:
     engine; a host all-reduce), which is where it ran before the gather carried the agreement."""
     proposal = propose(state, runner, batch_idle=True)
     timings = expert_health.local_contribution(proposal.rank, int(state.active_ranks.numel()))
-    reduced = torch.tensor([proposal.ready, -proposal.ready, proposal.target, *timings],
-                           dtype=torch.int64)
+    reduced = torch.tensor([proposal.ready, -proposal.ready, proposal.target,
+                            int(proposal.abort), *timings], dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-    expert_health.expert_health_state(state).take_gathered(reduced[3:].tolist())
+    expert_health.expert_health_state(state).take_gathered(reduced[4:].tolist())
+    if int(reduced[3]):  # some rank calls the pending step off: every rank drops it
+        reason = AbortReason(int(reduced[3]))
+        return AgreedRound(GatheredRound(LockstepVerdict.ABORT, (proposal,),
+                                         f"called off ({reason.name.lower()})"), proposal)
     verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
     return AgreedRound(GatheredRound(verdict, (proposal,)), proposal)

@@ -28,6 +28,7 @@ from sglang_elastic_ep.sglang.gather_agreement import (
     gather_agreement,
     readiness_skew,
 )
+from sglang_elastic_ep.sglang.scale_abort import abort_pending_scale
 from sglang_elastic_ep.sglang.scale_down import finalize_scale_down
 from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
@@ -112,6 +113,8 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         agreed = agree_by_all_reduce(state, runner)
     if agreed.verdict is LockstepVerdict.WAIT:
         return None
+    if agreed.verdict is LockstepVerdict.ABORT:
+        return abort_pending_scale(runner, state, agreed.outcome.problem or "called off")
     if agreed.verdict is LockstepVerdict.NOTHING_PENDING \
             and tail_recovery.contraction_target(state, runner):
         # A rank failed during this pass's forward, after the gather: upstream's step would

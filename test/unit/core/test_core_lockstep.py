@@ -69,7 +69,7 @@ def idle(rank: int, serving: int = 2) -> Proposal:
 def test_a_row_packs_and_unpacks_and_blank_rows_carry_no_proposal() -> None:
     p = grow(1, ready=True)
     row = pack_row(p, [11, 12, 5, 6])
-    assert row[:PROPOSAL_COLUMNS] == [2, int(StepKind.GROW), 3, 3, 2]
+    assert row[:PROPOSAL_COLUMNS] == [2, int(StepKind.GROW), 3, 3, 2, 0]
     assert row[PROPOSAL_COLUMNS:] == [11, 12, 5, 6]
     assert len(blank_row(4)) == len(row) and not any(blank_row(4))
     found, problem = unpack_rows([blank_row(4), row, blank_row(4)])
