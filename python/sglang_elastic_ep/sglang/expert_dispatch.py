@@ -40,12 +40,12 @@ does nothing else. SGLang is imported lazily, so the tensor logic imports and ru
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from sglang_elastic_ep.sglang import expert_health
+from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import (
     elastic_ep_enabled,
     elastic_state,
@@ -59,7 +59,7 @@ try:  # Triton: the fused repair step on CUDA; the torch version runs everywhere
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _slot_to_rank_cache: dict[tuple[int, int, str], torch.Tensor] = {}
 _dropped_counters: dict[str, torch.Tensor] = {}

@@ -17,19 +17,19 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import (
     attached_state,
     elastic_state,
     expert_location_metadata,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 BLOCKED_RANKS_KEY = "elastic_ep_blocked_ranks_mask"
 REPORT_KEY = "elastic_ep_experts"

@@ -17,7 +17,6 @@ rebalance). Each staying rank keeps its number of physical slots, so layouts sta
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -25,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from sglang_elastic_ep.core.placement import PlacementError, scale_down_map
+from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import expert_location_metadata
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def planned_map(old_ep_size: int, new_ep_size: int) -> tuple[Any, list[list[int]]] | None:

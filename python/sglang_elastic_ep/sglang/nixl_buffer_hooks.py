@@ -30,13 +30,13 @@ Upstream facts this relies on (``srt/layers/moe/token_dispatcher/nixl.py``,
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from sglang_elastic_ep.backends.active_ranks_mirror import ActiveRanksMirror
 from sglang_elastic_ep.backends.nixl_membership import BufferSizing, NixlMembership
 from sglang_elastic_ep.core.membership import is_recovery_join
+from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import (
     elastic_ep_enabled,
     elastic_ep_module,
@@ -44,7 +44,7 @@ from sglang_elastic_ep.sglang.upstream import (
     state_manager,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _MIRROR_ATTR = "_elastic_ep_mirror"
 

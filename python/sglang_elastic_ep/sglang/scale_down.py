@@ -23,7 +23,6 @@ Order (RFC "Scale-Down Flow", vLLM's lesson that experts move before ranks leave
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
+from sglang_elastic_ep.sglang.operation_log import get_logger, note_scale_request
 from sglang_elastic_ep.sglang.tail_release import release_tail
 from sglang_elastic_ep.sglang.upstream import (
     attached_state,
@@ -40,7 +40,7 @@ from sglang_elastic_ep.sglang.upstream import (
     state_manager,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -128,9 +128,12 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     state = state_manager().instance()
     if state is None:  # elastic EP not set up: nothing of ours applies
         return original(scheduler, recv_req)
+    note_scale_request(state, recv_req)
     down = scale_down_state(state)
     down.scheduler = scheduler
     new = int(recv_req.new_ep_size)
+    logger.info("[elastic-ep] scale request for EP size %d (effective %d, phase %s)",
+                new, state.effective_ep_size, state.scale_phase)
     if new == state.effective_ep_size \
             and tail_recovery.tail_recovery_state(state).return_to is not None:
         return tail_recovery.remove_failed_slots(scheduler, state, new)

@@ -18,7 +18,6 @@ from then on (a stall, or ``ValueError: 0 is not a valid ForwardMode``: docs/des
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, StepKind
@@ -28,6 +27,7 @@ from sglang_elastic_ep.sglang.gather_agreement import (
     gather_agreement,
     readiness_skew,
 )
+from sglang_elastic_ep.sglang.operation_log import end_when_settled, get_logger
 from sglang_elastic_ep.sglang.scale_abort import abort_pending_scale
 from sglang_elastic_ep.sglang.scale_down import finalize_scale_down
 from sglang_elastic_ep.sglang.upstream import (
@@ -36,7 +36,7 @@ from sglang_elastic_ep.sglang.upstream import (
     membership_state_on_host,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -97,6 +97,8 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     state = elastic_state()
+    if state is not None:
+        end_when_settled(state)
     if not lockstep_agreement_on(state, get_parallel()):
         return original(runner)
     agreement = gather_agreement(state)

@@ -22,7 +22,6 @@ A failed tail of scale-joined ranks comes back the way it first came in, in two 
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +32,7 @@ from sglang_elastic_ep.core.membership import failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
+from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
 from sglang_elastic_ep.sglang.upstream import (
     RECOVERY_UNSUPPORTED,
@@ -41,7 +41,7 @@ from sglang_elastic_ep.sglang.upstream import (
     state_manager,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 COHORT_CHECK_INTERVAL_S = 0.5  # a store round trip; the replacement takes a minute to start
 

@@ -13,7 +13,6 @@ whose server keeps other ranks (node 0's tree) parks.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -24,9 +23,10 @@ import torch.distributed as dist
 
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang.expert_moves import move_experts_off_leaving_ranks
+from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import expert_location_metadata, state_manager
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,

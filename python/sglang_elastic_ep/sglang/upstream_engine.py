@@ -82,7 +82,9 @@ class UpstreamEngine:
                 self._router.leaving = leaving  # stop new work first
         try:
             result = await asyncio.wait_for(
-                self._tm.scale_elastic_ep(ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)),
+                self._tm.scale_elastic_ep(
+                    ScaleElasticEPReqInput(new_ep_size=op.new_ep_size, rid=op.operation_id)
+                ),
                 SCHEDULER_ANSWER_TIMEOUT_S,
             )
         except asyncio.TimeoutError:
@@ -125,7 +127,7 @@ class UpstreamEngine:
 
         answers = await asyncio.wait_for(
             self._tm.scale_elastic_ep_communicator(
-                ScaleElasticEPReqInput(new_ep_size=op.new_ep_size)
+                ScaleElasticEPReqInput(new_ep_size=op.new_ep_size, rid=op.operation_id)
             ),
             SCHEDULER_ANSWER_TIMEOUT_S,
         )

@@ -16,14 +16,14 @@ sockets, so a live but slow worker never refuses a message.)
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import zmq
 
+from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import elastic_ep_enabled
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def send_to_worker(original: Any, socket: Any, obj: Any, flags: int = 0) -> None:

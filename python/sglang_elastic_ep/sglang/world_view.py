@@ -16,13 +16,14 @@ them active. On the usual path the view is already applied and the wait costs on
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+from sglang_elastic_ep.sglang.operation_log import get_logger
+
+logger = get_logger(__name__)
 
 VIEW_APPLY_TIMEOUT_S = 60.0
 _POLL_S = 0.01
