@@ -17,6 +17,7 @@ HTTP server's event loop. Nothing here imports SGLang.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -27,8 +28,10 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sglang_elastic_ep.core.api_models import (
+    CancelResponse,
     HealthResponse,
     OperationKind,
+    OperationResult,
     RankFailedEvent,
     RankJoinedEvent,
     RankRecoveredEvent,
@@ -52,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 # Awaited with the operation that admission just started (a copy: id, kind, sizes, ranks).
 EngineCallback = Callable[[Operation], Awaitable[None]]
+# Asks the engine to call the running scale-up off: ``(accepted, message)``; accepted when
+# every scheduler took the cancel before the operation's commit point.
+CancelCallback = Callable[[Operation], Awaitable[tuple[bool, str]]]
+CANCEL_WAIT_S = 30.0  # how long DELETE waits for the schedulers to drop the scale (then 202)
 
 # Phases of the recovery machine that the status shows while no scale operation runs.
 RECOVERY_PHASES = frozenset(
@@ -63,6 +70,14 @@ RECOVERY_PHASES = frozenset(
         Phase.SERVING_RECOVERED,
     }
 )
+
+
+@dataclass(frozen=True)
+class CancelAnswer:
+    """What ``DELETE /scale_elastic_ep/{operation_id}`` sends back."""
+
+    status: int
+    response: CancelResponse
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,8 @@ class ControlPlane(Protocol):
 
     async def request_scale(self, request: ScaleRequest) -> ScaleAnswer: ...
 
+    async def cancel_operation(self, operation_id: str) -> CancelAnswer: ...
+
     def status(self) -> StatusResponse: ...
 
     def health(self) -> HealthResponse: ...
@@ -105,6 +122,7 @@ class InProcessControlPlane:
         topology: ScaleTopology,
         initial_ep_size: int,
         engine: EngineCallback | None = None,
+        canceller: CancelCallback | None = None,
         instance_id: str | None = None,
         events: EventLog | None = None,
         history_size: int = 20,
@@ -117,6 +135,8 @@ class InProcessControlPlane:
         self._instance_id = instance_id or uuid.uuid4().hex
         self._topology = topology
         self._engine = engine
+        self._canceller = canceller
+        self._cancelling: set[str] = set()  # running operations a DELETE is calling off
         self._clock = clock
         self._events = events or EventLog(self._instance_id, capacity=event_capacity, clock=clock)
         if self._events.instance_id != self._instance_id:
@@ -219,6 +239,59 @@ class InProcessControlPlane:
             return ScaleAnswer(status=int(status), response=body)
         return answer
 
+    async def cancel_operation(self, operation_id: str, *,
+                               wait_s: float = CANCEL_WAIT_S) -> CancelAnswer:
+        """Call off a scale-up that has not committed; idempotent."""
+        def answer(status: int, cancelled: bool, message: str) -> CancelAnswer:
+            op = self._registry.get(operation_id)
+            return CancelAnswer(status, CancelResponse(
+                message=message, cancelled=cancelled, operation_id=operation_id,
+                instance_id=self._instance_id, operation=op.to_status() if op else None,
+            ))
+
+        known = self._registry.get(operation_id)
+        if known is not None and known.result is OperationResult.CANCELLED:
+            return answer(int(HTTPStatus.OK), True, f"operation {operation_id} is cancelled")
+        refusal = self._registry.cancel_refusal(operation_id)
+        if refusal is not None:
+            return answer(refusal[0], False, refusal[1])
+        assert known is not None
+        if self._canceller is None:
+            return answer(int(HTTPStatus.NOT_IMPLEMENTED), False,
+                          "this server has no engine to cancel with")
+        self._cancelling.add(operation_id)
+        try:
+            accepted, message = await self._canceller(known)
+        except Exception as exc:  # noqa: BLE001 - the schedulers did not answer: nothing sent
+            self._cancelling.discard(operation_id)
+            logger.exception("elastic EP: cancel of %s failed", operation_id)
+            return answer(int(HTTPStatus.SERVICE_UNAVAILABLE), False,
+                          f"the schedulers did not take the cancel ({type(exc).__name__}: "
+                          f"{exc}); retry the DELETE")
+        if not accepted:
+            self._cancelling.discard(operation_id)
+            return answer(int(HTTPStatus.CONFLICT), False,
+                          f"{message}; GET /elastic_ep/status shows how it ends")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            op = self._registry.get(operation_id)
+            if op is not None and op.result is not OperationResult.RUNNING:
+                break
+            await asyncio.sleep(0.1)
+        op = self._registry.get(operation_id)
+        if op is not None and op.result is OperationResult.CANCELLED:
+            return answer(int(HTTPStatus.OK), True,
+                          f"operation {operation_id} is cancelled; EP size stays "
+                          f"{op.old_ep_size}, and the ranks it was waiting for "
+                          f"({list(op.ranks)}) are safe to terminate")
+        if op is not None and op.result is OperationResult.RUNNING:
+            return answer(int(HTTPStatus.ACCEPTED), False,
+                          f"cancel of {operation_id} requested; the schedulers drop it on a "
+                          "coming pass: GET /elastic_ep/status, or DELETE again")
+        result = op.result.value if op is not None else "unknown"
+        return answer(int(HTTPStatus.CONFLICT), False,
+                      f"operation {operation_id} ended as {result} before the cancel took")
+
     def status(self) -> StatusResponse:
         with self._lock:
             status = self._registry.status(self._membership)
@@ -272,8 +345,11 @@ class InProcessControlPlane:
         """
         # One critical section with admission: no request may see the registry idle while
         # the membership still shows the finished operation.
+        cancelled = error is not None and operation_id in self._cancelling
+        self._cancelling.discard(operation_id)
         with self._lock:
-            op = self._registry.finish(operation_id, error=error, failed_in=failed_in)
+            op = self._registry.finish(operation_id, error=error, failed_in=failed_in,
+                                       cancelled=cancelled)
             release: frozenset[int]
             if safe_to_terminate is not None:
                 release = frozenset(safe_to_terminate)

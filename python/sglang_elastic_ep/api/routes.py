@@ -167,6 +167,15 @@ def build_router(
             response = response.model_copy(update={"operation_id": uuid.uuid4().hex})
         return JSONResponse(response.model_dump(mode="json"), status_code=answer.status)
 
+    @router.delete(SCALE_PATH + "/{operation_id}")
+    async def cancel_scale_elastic_ep(request: Request, operation_id: str) -> Response:
+        """Call off a scale-up that has not committed (200 cancelled, 202 on its way, 404
+        unknown, 409 committed or not cancellable); a repeat answers the same."""
+        if (refusal := denied(request, write=True)) is not None:
+            return refusal
+        answer = await cp.cancel_operation(operation_id)
+        return JSONResponse(answer.response.model_dump(mode="json"), status_code=answer.status)
+
     async def is_scaling_elastic_ep(request: Request) -> Response:
         """Upstream's shape (``is_scaling_elastic_ep``, sizes, ``scale_phase``) plus ours."""
         if (refusal := denied(request, write=False)) is not None:

@@ -156,6 +156,17 @@ class ScaleResponse(_Strict):
     reason: RejectionReason | None = None
 
 
+class CancelResponse(_Strict):
+    """Answer to ``DELETE /scale_elastic_ep/{operation_id}`` (the HTTP status tells which:
+    200 cancelled, 202 still being called off, 404 unknown, 409 past its commit point)."""
+
+    message: str = Field(description="What happened and, when refused, what to do.")
+    cancelled: bool
+    operation_id: str
+    instance_id: str
+    operation: OperationStatus | None = None
+
+
 class ErrorResponse(_Strict):
     """A request that could not be parsed, validated or authorized (HTTP 400, 401, 413)."""
 
@@ -221,6 +232,7 @@ class OperationResult(str, enum.Enum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    CANCELLED = "cancelled"  # called off before its commit point; the size did not change
 
 
 class OperationKind(str, enum.Enum):
@@ -347,6 +359,14 @@ class ScaleFailedEvent(_EventBase):
     ranks: list[int]
 
 
+class ScaleCancelledEvent(_EventBase):
+    type: Literal["scale_cancelled"] = "scale_cancelled"
+    operation_id: str
+    old_ep_size: int
+    new_ep_size: int
+    ranks: list[int] = Field(description="Ranks that were to join: safe to terminate now.")
+
+
 class RecoveryRequiredEvent(_EventBase):
     type: Literal["recovery_required"] = "recovery_required"
     operation_id: str | None = None
@@ -368,6 +388,7 @@ Event = Annotated[
     | RankRecoveredEvent
     | ScaleCommittedEvent
     | ScaleFailedEvent
+    | ScaleCancelledEvent
     | RecoveryRequiredEvent
     | SafeToTerminateEvent,
     Field(discriminator="type"),
@@ -382,6 +403,7 @@ EVENT_TYPES: tuple[type[_EventBase], ...] = (
     RankRecoveredEvent,
     ScaleCommittedEvent,
     ScaleFailedEvent,
+    ScaleCancelledEvent,
     RecoveryRequiredEvent,
     SafeToTerminateEvent,
 )

@@ -34,6 +34,7 @@ from sglang_elastic_ep.core.api_models import (
     PhaseTimestamp,
     RejectionReason,
     SafeToTerminateEvent,
+    ScaleCancelledEvent,
     ScaleCommittedEvent,
     ScaleFailedEvent,
     ScaleRequest,
@@ -291,6 +292,10 @@ class OperationRegistry:
                 f" (operation {op.operation_id} has since failed: {op.error}; "
                 "retry with a new operation_id)"
             )
+        elif op.result is OperationResult.CANCELLED:
+            message += (
+                f" (operation {op.operation_id} was cancelled; retry with a new operation_id)"
+            )
         return Admission(
             status=int(HTTPStatus.OK),
             accepted=True,
@@ -321,14 +326,19 @@ class OperationRegistry:
                 op.phase_stamps.append(PhaseTimestamp(phase=phase, at=self._clock()))
 
     def finish(
-        self, operation_id: str, *, error: str | None = None, failed_in: Phase | None = None
+        self, operation_id: str, *, error: str | None = None, failed_in: Phase | None = None,
+        cancelled: bool = False,
     ) -> Operation:
-        """End the running operation: committed when ``error`` is None, failed otherwise."""
+        """End the running operation: committed when ``error`` is None, failed otherwise;
+        ``cancelled``: called off before its commit point (``error`` says how)."""
         with self._lock:
             op = self._running_locked(operation_id)
             now = self._clock()
             op.finished_at = now
-            if error is None:
+            if cancelled:
+                op.result = OperationResult.CANCELLED
+                op.error = error or "cancelled"
+            elif error is None:
                 op.result = OperationResult.SUCCEEDED
                 success_phase = _SUCCESS_PHASE[op.kind]
                 if op.phase is not success_phase:
@@ -360,6 +370,14 @@ class OperationRegistry:
                 self._events.emit(
                     SafeToTerminateEvent, operation_id=op.operation_id, ranks=list(op.ranks)
                 )
+        elif op.result is OperationResult.CANCELLED:
+            self._events.emit(
+                ScaleCancelledEvent,
+                operation_id=op.operation_id,
+                old_ep_size=op.old_ep_size,
+                new_ep_size=op.new_ep_size,
+                ranks=list(op.ranks),
+            )
         else:
             self._events.emit(
                 ScaleFailedEvent,
@@ -370,6 +388,32 @@ class OperationRegistry:
                 error=op.error or "",
                 ranks=list(op.ranks),
             )
+
+    def cancel_refusal(self, operation_id: str) -> tuple[int, str] | None:
+        """Why ``DELETE`` of ``operation_id`` cannot call it off (an HTTP status and a message
+        naming what works instead), or None: it is the running scale-up. A cancelled
+        operation is answered as done again (idempotent): the caller checks that first."""
+        with self._lock:
+            op = self._find_locked(operation_id)
+            if op is None:
+                return int(HTTPStatus.NOT_FOUND), (
+                    f"no operation {operation_id} is known to this instance; "
+                    "GET /elastic_ep/status lists the current and recent ones")
+            if op.result is OperationResult.SUCCEEDED:
+                return int(HTTPStatus.CONFLICT), (
+                    f"operation {operation_id} has committed ({op.old_ep_size} -> "
+                    f"{op.new_ep_size}); to undo it, POST /scale_elastic_ep with new_ep_size "
+                    f"{op.old_ep_size}")
+            if op.result is OperationResult.FAILED:
+                return int(HTTPStatus.CONFLICT), (
+                    f"operation {operation_id} has already failed ({op.error}); nothing "
+                    "changed, so there is nothing to cancel")
+            if op.result is OperationResult.RUNNING and op.kind is not OperationKind.SCALE_UP:
+                return int(HTTPStatus.CONFLICT), (
+                    f"operation {operation_id} is a scale-down, which cannot be cancelled: "
+                    "it commits once its ranks are drained; then POST /scale_elastic_ep with "
+                    f"new_ep_size {op.old_ep_size} to grow back")
+            return None
 
     def _running_locked(self, operation_id: str) -> Operation:
         op = self._current

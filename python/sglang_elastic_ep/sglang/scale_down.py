@@ -31,6 +31,7 @@ from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
 from sglang_elastic_ep.sglang.operation_log import get_logger, note_scale_request
+from sglang_elastic_ep.sglang.scale_abort import CANCEL_EP_SIZE, request_cancel, scale_abort_state
 from sglang_elastic_ep.sglang.tail_release import release_tail
 from sglang_elastic_ep.sglang.upstream import (
     attached_state,
@@ -124,21 +125,30 @@ def too_few_dp_ranks(attn_dp_enabled: bool, new_ep_size: int, replica: int) -> s
 
 def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     """AROUND ``Scheduler.handle_scale_elastic_ep``: a target below the effective size is a
-    scale-down (upstream refuses those); anything else is upstream's scale-up."""
+    scale-down (upstream refuses those), :data:`CANCEL_EP_SIZE` cancels the pending scale-up;
+    anything else is upstream's scale-up."""
     state = state_manager().instance()
     if state is None:  # elastic EP not set up: nothing of ours applies
         return original(scheduler, recv_req)
     note_scale_request(state, recv_req)
+    from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
+
+    new = int(recv_req.new_ep_size)
+    if new == CANCEL_EP_SIZE:
+        accepted, message = request_cancel(state)
+        return ScaleElasticEPReqOutput(
+            success=accepted, message=message, old_ep_size=state.effective_ep_size,
+            new_ep_size=state.effective_ep_size, pending_ep_size=state.pending_ep_size,
+            scale_phase=state.scale_phase,
+        )
+    scale_abort_state(state).last_cancelled = None
     down = scale_down_state(state)
     down.scheduler = scheduler
-    new = int(recv_req.new_ep_size)
     logger.info("[elastic-ep] scale request for EP size %d (effective %d, phase %s)",
                 new, state.effective_ep_size, state.scale_phase)
     if new == state.effective_ep_size \
             and tail_recovery.tail_recovery_state(state).return_to is not None:
         return tail_recovery.remove_failed_slots(scheduler, state, new)
-    from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
-
     if down.is_late_drain_confirmation(state, new):
         return ScaleElasticEPReqOutput(
             success=True, message=f"scale-down to {new} already committed", old_ep_size=new,

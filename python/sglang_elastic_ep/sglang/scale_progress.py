@@ -115,6 +115,11 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         agreed = agree_by_all_reduce(state, runner)
     if agreed.verdict is LockstepVerdict.WAIT:
         return None
+    if agreed.verdict is LockstepVerdict.NOTHING_PENDING \
+            and tail_recovery.contraction_target(state, runner):
+        # A rank failed during this pass's forward, after the gather: upstream's step would
+        # declare the failure unrecoverable. The next pass's gather carries the let-go.
+        return None
     if agreed.verdict is LockstepVerdict.ABORT:
         return abort_pending_scale(runner, state, agreed.outcome.problem or "called off")
     if agreed.verdict is LockstepVerdict.NOTHING_PENDING \

@@ -65,8 +65,9 @@ def mount_on_server(result: Any, global_state: Any) -> None:
 
         metrics = ElasticEPMetrics()
     adapter = HttpAdapterState()
+    engine = UpstreamEngine(tm, adapter)
     plane = InProcessControlPlane(
-        topology=topology, initial_ep_size=ep_size, engine=UpstreamEngine(tm, adapter),
+        topology=topology, initial_ep_size=ep_size, engine=engine, canceller=engine.cancel,
         metrics=metrics,
         health_config=HealthConfig(
             latency_threshold=float(getattr(server_args, "elastic_ep_slow_expert_threshold",

@@ -18,6 +18,7 @@ from sglang_elastic_ep.core.operations import Operation
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.routing import LiveShardRouter
 from sglang_elastic_ep.sglang.http_state import HttpAdapterState
+from sglang_elastic_ep.sglang.scale_abort import CANCEL_EP_SIZE
 from sglang_elastic_ep.sglang.tokenizer_hooks import abort_with_503
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,22 @@ class UpstreamEngine:
         task = asyncio.get_running_loop().create_task(self._watch(op, leaving, drain))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
+
+    async def cancel(self, op: Operation) -> tuple[bool, str]:
+        """Ask every scheduler to call ``op`` (a scale-up not yet committed) off; they drop it
+        together on a coming pass (``scale_abort``), and ``_watch`` then sees it end."""
+        from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
+
+        answers = await asyncio.wait_for(
+            self._tm.scale_elastic_ep_communicator(
+                ScaleElasticEPReqInput(new_ep_size=CANCEL_EP_SIZE, rid=op.operation_id)
+            ),
+            SCHEDULER_ANSWER_TIMEOUT_S,
+        )
+        refused = [a.message for a in answers if not a.success]
+        if refused:
+            return False, refused[0]
+        return True, answers[0].message if answers else "cancel requested"
 
     def _undo(self, op: Operation, drain: bool) -> None:
         """A refused or unanswered request changes nothing here either."""
