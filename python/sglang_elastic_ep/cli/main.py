@@ -45,7 +45,8 @@ _STATE_STYLE = {
     "safe_to_terminate": "magenta",
     "inactive": "dim",
 }
-_RESULT_STYLE = {"succeeded": "green", "failed": "bold red", "running": "cyan"}
+_RESULT_STYLE = {"succeeded": "green", "failed": "bold red", "running": "cyan",
+                 "cancelled": "yellow"}
 
 
 def _exit_code_for(status: int) -> int:
@@ -238,6 +239,37 @@ def cmd_scale(args: argparse.Namespace, console: Console) -> int:
         return _wait(client, args, body["operation_id"], body["instance_id"], console)
 
 
+# --- cancel ---------------------------------------------------------------------------------
+
+
+def cmd_cancel(args: argparse.Namespace, console: Console) -> int:
+    """``DELETE /scale_elastic_ep/{id}``: 0 cancelled, 3 refused (committed, not a scale-up),
+    2 unknown id, 1 not cancelled yet (202) or no answer."""
+    path = f"/scale_elastic_ep/{args.operation_id}"
+    with httpx.Client(base_url=args.url, timeout=args.http_timeout, trust_env=False) as client:
+        try:
+            response = client.delete(path, headers=_headers(args))
+        except httpx.HTTPError as exc:
+            raise CliError(EXIT_FAILED, f"cannot reach {args.url}: {exc}") from exc
+    message = _message(response)
+    if args.json:
+        console.print_json(data=response.json())
+    if response.status_code == 200:
+        if not args.json:
+            console.print(f"[green]cancelled[/]: {message}")
+        return EXIT_OK
+    if response.status_code == 202:
+        if not args.json:
+            console.print(f"[yellow]cancelling[/]: {message}")
+        return EXIT_FAILED
+    code = _exit_code_for(response.status_code)
+    if not args.json:
+        label = {EXIT_CONFLICT: "refused", EXIT_USAGE: "refused"}.get(code, "error")
+        console.print(f"[bold red]{label}[/] (HTTP {response.status_code}): {message}"
+                      + (_hint(401) if response.status_code == 401 else ""))
+    return code
+
+
 # --- status ---------------------------------------------------------------------------------
 
 
@@ -308,6 +340,7 @@ def _event_line(event_type: str, data: dict[str, Any]) -> Text:
     style = {
         "rank_failed": "bold red",
         "scale_failed": "bold red",
+        "scale_cancelled": "yellow",
         "recovery_required": "yellow",
         "missed": "yellow",
         "scale_committed": "green",
@@ -426,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--poll-interval", type=float, default=0.5, help="--wait poll, seconds")
     scale.add_argument("--retries", type=int, default=3, help="POST retries on network errors")
 
+    cancel = sub.add_parser("cancel", parents=[common],
+                            help="call off a scale-up that has not committed")
+    cancel.add_argument("operation_id", help="the operation to cancel (its id from `scale`)")
+
     sub.add_parser("status", parents=[common], help="show sizes, ranks and operations")
 
     events = sub.add_parser("events", parents=[common], help="print events (SSE)")
@@ -461,8 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
         return int(exc.code or 0)
     console = Console(soft_wrap=False)
-    commands = {"scale": cmd_scale, "status": cmd_status, "events": cmd_events,
-                "controller": cmd_controller}
+    commands = {"scale": cmd_scale, "cancel": cmd_cancel, "status": cmd_status,
+                "events": cmd_events, "controller": cmd_controller}
     handler = getattr(args, "handler", None) or commands[args.command]
     try:
         return handler(args, console)

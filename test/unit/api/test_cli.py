@@ -244,3 +244,34 @@ def test_sse_parser_follows_the_event_stream_rules() -> None:
     ]
     # The stream's opening retry: (a block without data) reaches the first message only.
     assert [m.retry_ms for m in messages] == [1500, None]
+
+
+def test_cancel_exits_0_when_cancelled_3_when_committed_2_when_unknown(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import asyncio
+
+    engine = AutoEngine()
+    engine.hold = True
+    holder: list[InProcessControlPlane] = []
+
+    async def canceller(op: Any) -> tuple[bool, str]:
+        asyncio.get_running_loop().call_later(
+            0.05, lambda: holder[0].finish_operation(op.operation_id, error="cancelled"))
+        return True, "cancel requested"
+
+    plane = make_plane(engine=engine, clock=time.time, canceller=canceller)
+    holder.append(plane)
+    engine.plane = plane
+    try:
+        with live_server(make_app(plane)) as url:
+            assert run("scale", "--url", url, "--to", "4", "--operation-id", "up") == EXIT_OK
+            capsys.readouterr()
+            assert run("cancel", "--url", url, "up") == EXIT_OK
+            assert "cancelled" in capsys.readouterr().out
+            assert run("cancel", "--url", url, "up") == EXIT_OK  # idempotent
+            assert run("cancel", "--url", url, "nope") == EXIT_USAGE
+            assert "HTTP 404" in capsys.readouterr().out
+            assert plane.status().effective_ep_size == 2
+    finally:
+        engine.release.set()
