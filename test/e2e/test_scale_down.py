@@ -2,6 +2,8 @@
 per chain (starting one costs a minute on 2 cores).
 
 The suite's chain, 2 -> 3 -> 2 -> 3 -> 2, launches each joiner beside two ranks:
+0. A scale-up to 3 whose joiner never starts is cancelled with ``sglang-eep cancel``: the size
+   stays 2, slot 2 is listed safe to terminate, a second DELETE answers the same.
 1. 2 -> 3 with the joiner launched before the POST, which uses the RFC's ``new_tp_size``; the
    same operation id again is replayed.
 2. 3 -> 2 under load: a long request running on shard 2 finishes first (drain); a second scale
@@ -202,6 +204,25 @@ def grow_with_the_cli(cluster: LocalCluster, size: int, operation_id: str,
     return joiner, followed
 
 
+def cancel_a_scale_up_whose_joiner_never_starts(url: str, size: int, operation_id: str) -> None:
+    before = read_status(url)["effective_ep_size"]
+    assert scale(url, size, operation_id).status_code == 200
+    cli = subprocess.run(
+        [sys.executable, "-m", "sglang_elastic_ep.cli.main", "cancel", "--url", url,
+         operation_id, "--http-timeout", "60"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert cli.returncode == 0 and "cancelled" in cli.stdout, (cli.returncode, cli.stdout)
+    status = read_status(url)
+    assert status["effective_ep_size"] == before and status["current_operation"] is None
+    assert status["recent_operations"][0]["result"] == "cancelled", status
+    assert status["safe_to_terminate_ranks"] == list(range(before, size)), status
+    again = httpx.delete(f"{url}/scale_elastic_ep/{operation_id}", timeout=60)
+    assert again.status_code == 200 and again.json()["cancelled"] is True, again.text
+    assert operation_events(sse_events(url))[operation_id] == [
+        "scale_requested", "scale_cancelled", "safe_to_terminate"]
+
+
 def assert_served_throughout(results: list, reference: dict[str, list[int]], url: str,
                              grown: list[str], shrunk: list[str]) -> None:
     """No request failed, every output is the reference, each operation's events came in
@@ -235,6 +256,10 @@ def test_shrink_and_regrow_between_2_and_3_under_load(tiny_model: Path) -> None:
 
         load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
         try:
+            # 0. A scale-up whose joiner never starts is cancelled (`sglang-eep cancel`): the
+            # size stays, its slot is safe to terminate, and a repeat answers the same.
+            cancel_a_scale_up_whose_joiner_never_starts(url, 3, "never-joins")
+
             # 1. 2 -> 3, the joiner first, with the RFC's field name; the same operation id
             # again is a replay, not a second operation.
             rank2 = cluster.start_joiner("scale", rank_offset=2)
