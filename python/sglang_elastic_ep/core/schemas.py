@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from sglang_elastic_ep.core.api_models import (
     EVENT_ADAPTER,
+    CancelResponse,
     ErrorResponse,
     HealthResponse,
     ScaleRequest,
@@ -22,6 +23,7 @@ from sglang_elastic_ep.core.api_models import (
 _MODELS: dict[str, type[BaseModel]] = {
     "scale_request": ScaleRequest,
     "scale_response": ScaleResponse,
+    "cancel_response": CancelResponse,
     "error_response": ErrorResponse,
     "status_response": StatusResponse,
     "health_response": HealthResponse,
