@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -212,7 +213,10 @@ def test_events_missed_before_the_pump_read_them_are_counted(receiver: Receiver)
 def test_nothing_secret_is_ever_sent(receiver: Receiver) -> None:
     """The server has an admin key and the orchestrator sends it; the webhook never does."""
     receiver.set_cookie = True
-    plane = make_plane(engine=FakeEngine(), initial=4)
+    async def canceller(op: object) -> tuple[bool, str]:
+        return True, "cancel requested"
+
+    plane = make_plane(engine=FakeEngine(), initial=4, canceller=canceller)
     client = TestClient(make_app(plane, api_key_check=sglang_admin_auth(None, SECRET)))
     sender = sender_for(plane.events, receiver.url).start()
     try:
@@ -230,6 +234,10 @@ def test_nothing_secret_is_ever_sent(receiver: Receiver) -> None:
         client.post("/scale_elastic_ep", json={"new_ep_size": 3, "operation_id": "u"},
                     headers=auth)
         plane.finish_operation("u", error="joiner crashed")
+        client.post("/scale_elastic_ep", json={"new_ep_size": 3, "operation_id": "c"},
+                    headers=auth)
+        assert asyncio.run(plane.cancel_operation("c", wait_s=0)).status == 202
+        plane.finish_operation("c", error="scale-up to 3 cancelled")  # the schedulers dropped it
         assert sender.flush(SETTLE_S)
     finally:
         sender.stop()
