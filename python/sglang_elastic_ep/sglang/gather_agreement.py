@@ -239,10 +239,14 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
 
 
 def scale_timeout_s() -> float:
-    """``--elastic-ep-scale-timeout``: how long a scale-up may wait for its joiners."""
-    from sglang.srt.runtime_context import get_exec
+    """``--elastic-ep-scale-timeout``: how long a scale-up may wait for its joiners (0, no
+    limit, before SGLang published its config)."""
+    from sglang.srt.runtime_context import get_context
 
-    return float(get_exec().moe.elastic_ep_scale_timeout or 0)
+    ctx = get_context()
+    if not ctx.is_config_namespace_published("exec"):
+        return 0.0
+    return float(ctx.config_bag("exec").moe.elastic_ep_scale_timeout or 0)
 
 
 def _slots_per_rank() -> int:

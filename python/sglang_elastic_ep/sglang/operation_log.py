@@ -19,7 +19,6 @@ from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang.upstream import attached_state, elastic_state
 
 _TAG_ATTR = "_sglang_eep_operation_tag"
-_PENDING_PHASES = frozenset({Phase.DRAINING.value})
 
 
 @dataclass
@@ -45,7 +44,7 @@ def end_when_settled(state: Any) -> None:
     tag = getattr(state, _TAG_ATTR, None)
     if tag is None or tag.operation_id is None:
         return
-    if state.pending_ep_size is None and state.scale_phase not in _PENDING_PHASES:
+    if state.pending_ep_size is None and state.scale_phase != Phase.DRAINING.value:
         tag.operation_id = None
 
 

@@ -64,7 +64,7 @@ def abort_reason(state: Any, kind: StepKind, target: int, timeout_s: float,
         return AbortReason.NONE
     if scale_abort_state(state).cancel_target == target:
         return AbortReason.CANCELLED
-    since = state.pending_since
+    since = getattr(state, "pending_since", None)
     now = time.monotonic() if now is None else now
     if since is not None and timeout_s > 0 and now - since > timeout_s:
         return AbortReason.TIMED_OUT

@@ -10,6 +10,7 @@ def test_write_schemas_creates_one_file_per_body(tmp_path: Path) -> None:
     written = write_schemas(tmp_path)
     names = sorted(p.name for p in written)
     assert names == [
+        "cancel_response.json",
         "error_response.json",
         "event.json",
         "health_response.json",
@@ -22,7 +23,7 @@ def test_write_schemas_creates_one_file_per_body(tmp_path: Path) -> None:
     assert {"new_ep_size", "new_tp_size", "operation_id"} <= set(request["properties"])
     event = json.loads((tmp_path / "event.json").read_text())
     assert event["discriminator"]["propertyName"] == "type"
-    assert "safe_to_terminate" in event["discriminator"]["mapping"]
+    assert {"safe_to_terminate", "scale_cancelled"} <= set(event["discriminator"]["mapping"])
 
 
 def test_committed_docs_match_the_models() -> None:
