@@ -16,7 +16,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from sglang_elastic_ep import hooks  # noqa: E402
-from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind  # noqa: E402
+from sglang_elastic_ep.core.agreement import (  # noqa: E402
+    PROPOSAL_COLUMNS,
+    LockstepVerdict,
+    Proposal,
+    StepKind,
+)
 from sglang_elastic_ep.sglang import expert_health, gather_agreement, tail_recovery  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.procs import free_port  # noqa: E402
 
@@ -103,7 +108,7 @@ def test_upstreams_gather_carries_the_proposal_and_keeps_its_own_answers(
     agreement.runner = object()  # what bracket_mlp_sync hands over for the pass
     info = sync_info(dp_attn, slots)
     info.all_gather(device=device, group=dist.group.WORLD, use_all_reduce=use_all_reduce)
-    assert info.tp0_info_cpu.shape[1] == 11 + 5 + 4
+    assert info.tp0_info_cpu.shape[1] == 11 + PROPOSAL_COLUMNS + 4
     assert info.global_num_tokens == plain.global_num_tokens == [3, 0][:slots]
     assert info.can_run_decode_cuda_graph == plain.can_run_decode_cuda_graph
     agreed = agreement.take()
