@@ -146,16 +146,8 @@ class KubernetesLauncher:
 
     def _manifest(self, spec: JoinerSpec) -> dict[str, Any]:
         port = self.port_base + spec.rank_offset if self.port_base is not None else DEFAULT_PORT
-        text = self.template.render({
-            "rank_offset": spec.rank_offset,
-            "num_ranks": spec.num_ranks,
-            "join_mode": spec.mode.value,
-            "dist_init_addr": self.dist_init_addr,
-            "port": port,
-            "operation_id": spec.operation_id,
-            "ep_size": spec.ep_size,
-            "deployment": self.deployment,
-        })
+        text = self.template.render_joiner(spec, port=port, dist_init_addr=self.dist_init_addr,
+                                          deployment=self.deployment)
         try:
             manifest = self._yaml.safe_load(text)
         except self._yaml.YAMLError as exc:

@@ -143,16 +143,8 @@ class LocalLauncher:
     # --- internals ------------------------------------------------------------------
 
     def _argv(self, spec: JoinerSpec, port: int) -> list[str]:
-        text = self.template.render({
-            "rank_offset": spec.rank_offset,
-            "num_ranks": spec.num_ranks,
-            "join_mode": spec.mode.value,
-            "dist_init_addr": self.dist_init_addr,
-            "port": port,
-            "operation_id": spec.operation_id,
-            "ep_size": spec.ep_size,
-            "deployment": self.deployment,
-        })
+        text = self.template.render_joiner(spec, port=port, dist_init_addr=self.dist_init_addr,
+                                          deployment=self.deployment)
         try:
             argv = shlex.split(text)
         except ValueError as exc:

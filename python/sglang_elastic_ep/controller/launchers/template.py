@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from sglang_elastic_ep.core.controller import JoinerSpec
+
 PLACEHOLDERS: Mapping[str, str] = MappingProxyType({
     "rank_offset": "first EP rank of the joiner (--elastic-ep-join-rank-offset)",
     "num_ranks": "EP ranks in the joiner (its --tp/--ep/--dp size)",
@@ -48,6 +50,20 @@ class Template:
     @property
     def placeholders(self) -> frozenset[str]:
         return frozenset(name for name in PLACEHOLDERS if "{" + name + "}" in self.text)
+
+    def render_joiner(self, spec: JoinerSpec, *, port: int, dist_init_addr: str | None,
+                      deployment: str) -> str:
+        """This template filled in for the joiner ``spec``."""
+        return self.render({
+            "rank_offset": spec.rank_offset,
+            "num_ranks": spec.num_ranks,
+            "join_mode": spec.mode.value,
+            "dist_init_addr": dist_init_addr,
+            "port": port,
+            "operation_id": spec.operation_id,
+            "ep_size": spec.ep_size,
+            "deployment": deployment,
+        })
 
     def render(self, values: Mapping[str, object]) -> str:
         missing = sorted(
