@@ -41,6 +41,7 @@ RECOVERED_S = 600
 SHRUNK_S = 240
 SERVES_S = 180
 FAULT_SEEN_S = 90
+LOAD_CLIENTS = 6
 
 
 class ControllerProcess:
@@ -120,10 +121,13 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
                                                     "{num_ranks}", "{port}")])
         controller = ControllerProcess(
             ["--url", url, "--min-size", "2", "--max-size", "3", "--launch-size", "2",
-             # Two clients, back to back, are ~1 request per rank: hot at 2 ranks and in the
-             # band at 3; no load is cold.
+             # Six clients, back to back: SGLang's gauges (sampled at each prefill) read about
+             # 2 requests per rank at 2 ranks and 1 at 3: hot, then inside the band. With
+             # fewer clients a rank's gauge reads 0 most of the time under load (the request
+             # being prefilled is not counted yet), which is "cold". No load at all is cold
+             # for the whole window.
              "--scale-up-load", "0.5", "--scale-down-load", "0.1", "--no-kv",
-             "--up-window", "0", "--down-window", "5", "--cooldown", "5",
+             "--up-window", "0", "--down-window", "30", "--cooldown", "5",
              "--poll-interval", "1", "--heal-retry", "5", "--max-relaunches", "2",
              "--deployment", deployment, "--launcher", "local", "--command", template,
              "--dist-init-addr", f"127.0.0.1:{cluster.dist_port}",
@@ -135,7 +139,7 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
             log_path=tmp_path / "controller.log",
         )
         try:
-            load = LoadClient(url, concurrency=2, max_new_tokens=8).start()
+            load = LoadClient(url, concurrency=LOAD_CLIENTS, max_new_tokens=8).start()
             try:
                 # 1. Load: the controller grows 2 -> 3 and launches the joiner itself.
                 scale = controller.wait_record(
@@ -177,7 +181,7 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
             for r in lost:  # only what rank 2 held when it died, and said so
                 assert r.status == 503 and "failed before it finished" in (r.error or ""), r
                 assert r.started < killed_at + FAULT_SEEN_S
-            assert len(lost) <= 2, f"more requests lost than were in flight: {lost}"
+            assert len(lost) <= LOAD_CLIENTS, f"more requests lost than were in flight: {lost}"
             changed = [r for r in results if r.ok and r.output_ids != reference[r.prompt]]
             assert not changed, f"outputs changed: {changed[:3]}"
             with httpx.Client() as client:
