@@ -41,6 +41,7 @@ from sglang_elastic_ep.core.api_models import (
 )
 from sglang_elastic_ep.core.controller import (
     Action,
+    CancelScale,
     Decision,
     ElasticController,
     Hold,
@@ -272,6 +273,8 @@ def describe(action: Action) -> tuple[str, str]:
         s = action.spec
         return "relaunch", (f"relaunch rank(s) {_span(s.ranks)} in recover mode "
                             f"({s.operation_id})")
+    if isinstance(action, CancelScale):
+        return "cancel", f"DELETE {SCALE_PATH}/{action.operation_id}"
     return "terminate", f"terminate rank(s) {_span(action.ranks)}"
 
 
@@ -284,6 +287,8 @@ def _action_fields(action: Action) -> dict[str, Any]:
         return {"action": "launch" if isinstance(action, LaunchJoiner) else "relaunch",
                 "rank_offset": s.rank_offset, "num_ranks": s.num_ranks,
                 "join_mode": s.mode.value, "operation_id": s.operation_id}
+    if isinstance(action, CancelScale):
+        return {"action": "cancel", "operation_id": action.operation_id}
     return {"action": "terminate", "ranks": list(action.ranks)}
 
 
@@ -475,6 +480,8 @@ class ControllerLoop:
         try:
             if isinstance(action, ScaleTo):
                 return self._post_scale(action, status)
+            if isinstance(action, CancelScale):
+                return self._cancel_scale(action)
             if isinstance(action, LaunchJoiner):
                 launch = self.launcher.launch_joiner(action.spec)
                 self.log.outcome(f"launched {launch.handle} for rank(s) "
@@ -558,6 +565,22 @@ class ControllerLoop:
         else:
             self.log.resolved("metrics")
         return reading
+
+    def _cancel_scale(self, action: CancelScale) -> bool:
+        """True once the server answers that the operation is cancelled (repeats are safe: a
+        DELETE of a cancelled operation answers the same)."""
+        path = f"{SCALE_PATH}/{action.operation_id}"
+        try:
+            response = self._retrying()(self.client.delete, path)
+        except httpx.HTTPError as exc:
+            self.log.outcome(f"DELETE {path} got no answer: {exc}", False,
+                             operation_id=action.operation_id)
+            return False
+        cancelled = response.status_code == 200
+        self.log.outcome(f"{action.operation_id}: HTTP {response.status_code} "
+                         f"{_message(response)}", cancelled,
+                         operation_id=action.operation_id, http_status=response.status_code)
+        return cancelled
 
     def _post_scale(self, action: ScaleTo, status: StatusResponse) -> bool:
         payload = {

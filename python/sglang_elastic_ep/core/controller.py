@@ -3,8 +3,8 @@
 ``ElasticController`` is fed what the I/O loop reads (``GET /elastic_ep/status``,
 ``GET /elastic_ep/health``, the load from ``/metrics``, the event stream, what the launcher
 runs) and answers ``decide(now)`` with a ``Decision``: actions to carry out (``ScaleTo``,
-``LaunchJoiner``, ``Relaunch``, ``Terminate``) and holds (why nothing else happens), each
-with its reason and the inputs it was based on.
+``LaunchJoiner``, ``Relaunch``, ``Terminate``, ``CancelScale``) and holds (why nothing else
+happens), each with its reason and the inputs it was based on.
 
 Resuming: every decision is derived from the server's state as it is now (status, health,
 the event buffer, which the loop replays from the start on every connection to a new server
@@ -20,8 +20,9 @@ Rules, in order, on every decision:
 1. Processes of ranks the server lists ``safe_to_terminate`` are terminated, and no other
    process ever is, except the previous process of a rank the server reports failed or
    hard-blocked, which its replacement takes over (``Relaunch``).
-2. One operation at a time: while one runs (anyone's), the only action is launching the
-   joiners of a running scale-up that have none yet.
+2. One operation at a time: while one runs (anyone's), the only actions are launching the
+   joiners of a running scale-up that have none yet, and cancelling a scale-up of this
+   controller's whose joiner exited before its commit point.
 3. A failed rank (status ``failed``) or slow one (health ``hard_blocked``) is relaunched in
    recover mode (``<prefix>-recover-r<rank>-e<event id of the fault>-<attempt>``); after
    ``max_relaunches`` relaunches that failed again it is removed with a scale-down of the
@@ -51,6 +52,7 @@ from sglang_elastic_ep.core.api_models import (
     StatusResponse,
 )
 from sglang_elastic_ep.core.autoscaler import Autoscaler, AutoscalerConfig, LoadSample
+from sglang_elastic_ep.core.phases import Phase
 
 
 class JoinMode(str, enum.Enum):
@@ -143,12 +145,23 @@ class Terminate:
 
 
 @dataclass(frozen=True)
+class CancelScale:
+    """``DELETE /scale_elastic_ep/{operation_id}``: a scale-up of this controller's whose
+    joiner exited before the commit point is called off, so nothing waits for the scale
+    timeout; its slots are then listed safe to terminate and the policy may try again."""
+
+    operation_id: str
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
 class Hold:
     reason: str
     inputs: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
-Action = ScaleTo | LaunchJoiner | Relaunch | Terminate
+Action = ScaleTo | LaunchJoiner | Relaunch | Terminate | CancelScale
 
 
 @dataclass(frozen=True)
@@ -462,10 +475,7 @@ class ElasticController:
                     if launch.operation_id == op.operation_id and launch.rank_offset == offset]
             if mine:
                 if not any(launch.alive for launch in mine):
-                    holds.append(Hold(
-                        f"the joiner for rank(s) {_ranks(span)} exited; operation "
-                        f"{op.operation_id} will fail and release it"
-                    ))
+                    self._cancel_dead_scale(op, span, mine, actions, holds)
                 continue
             others = [launch for launch in self._launches
                       if launch.alive and set(launch.ranks) & set(span)]
@@ -483,6 +493,27 @@ class ElasticController:
                 f"rank(s) {_ranks(span)}",
                 {"phase": op.phase.value},
             ))
+
+    def _cancel_dead_scale(self, op: OperationStatus, span: range, mine: list[Launch],
+                           actions: list[Action], holds: list[Hold]) -> None:
+        exits = [launch.exit_code for launch in mine]
+        if parse_operation_id(self.config.op_prefix, op.operation_id) is None \
+                or op.phase is not Phase.WAITING_FOR_COHORT:
+            # Someone else's operation, or past its commit point: the server ends it.
+            holds.append(Hold(
+                f"the joiner for rank(s) {_ranks(span)} exited (codes {exits}); operation "
+                f"{op.operation_id} will fail and release it"
+            ))
+            return
+        if any(isinstance(a, CancelScale) and a.operation_id == op.operation_id
+               for a in actions):
+            return  # one cancel per operation and pass, whichever joiner of it died
+        actions.append(CancelScale(
+            op.operation_id,
+            f"the joiner for rank(s) {_ranks(span)} exited (codes {exits}) before operation "
+            f"{op.operation_id} committed",
+            {"phase": op.phase.value, "exit_codes": exits},
+        ))
 
     def _troubled(self, status: StatusResponse) -> dict[int, str]:
         size = status.effective_ep_size

@@ -15,6 +15,7 @@ from sglang_elastic_ep.controller.launchers.base import within
 from sglang_elastic_ep.core.api_models import ScaleRequest
 from sglang_elastic_ep.core.controller import JoinerSpec, Launch
 from sglang_elastic_ep.core.events import format_sse
+from sglang_elastic_ep.core.operations import Operation
 from sglang_elastic_ep.core.validation import ScaleTopology
 
 URL = "http://eep.test:30000"
@@ -23,10 +24,20 @@ URL = "http://eep.test:30000"
 def make_plane(instance: str = "inst-1", initial: int = 2, max_ep_size: int = 8,
                event_capacity: int = 1024) -> InProcessControlPlane:
     ids = iter(f"gen-{i}" for i in range(1000))
-    return InProcessControlPlane(
+    planes: list[InProcessControlPlane] = []
+
+    async def drop_at_once(op: Operation) -> tuple[bool, str]:
+        """The schedulers take the cancel and drop the scale before the answer returns."""
+        planes[0].finish_operation(op.operation_id, error=f"scale-up to {op.new_ep_size} cancelled")
+        return True, "cancel requested"
+
+    plane = InProcessControlPlane(
         topology=ScaleTopology(max_ep_size=max_ep_size), initial_ep_size=initial,
         instance_id=instance, new_operation_id=lambda: next(ids), event_capacity=event_capacity,
+        canceller=drop_at_once,
     )
+    planes.append(plane)
+    return plane
 
 
 def metrics_text(queued: float, running: float, shards: int = 2,
@@ -91,6 +102,9 @@ class FakeServer:
             body = ScaleRequest.model_validate(json.loads(request.content))
             answer = asyncio.run(plane.request_scale(body))
             return httpx.Response(answer.status, json=answer.response.model_dump(mode="json"))
+        if path.startswith("/scale_elastic_ep/") and request.method == "DELETE":
+            cancel = asyncio.run(plane.cancel_operation(path.rsplit("/", 1)[1]))
+            return httpx.Response(cancel.status, json=cancel.response.model_dump(mode="json"))
         if path == "/elastic_ep/events":
             return self._events(request)
         return httpx.Response(404, json={"error": "not found"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,8 @@ def test_one_dry_run_decision_through_the_cli(capsys: pytest.CaptureFixture[str]
     monkeypatch.setattr(httpx, "Client", client)
     code = main(["controller", "--url", "http://eep.test:30000", "--min-size", "3",
                  "--max-size", "4", "--command", "sleep 60 {rank_offset}", "--log-dir",
-                 str(tmp_path), "--deployment", "cli-test", "--once", "--dry-run", "--json"])
+                 str(tmp_path), "--deployment", f"cli-test-{uuid.uuid4().hex[:8]}", "--once",
+                 "--dry-run", "--json"])
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
     assert '"would POST new_ep_size=3 (ctl-1-grow-to-3): grow 2 -> 3: size 2 is outside ' \
@@ -125,7 +127,7 @@ sys.meta_path.insert(0, NoKubernetes())
 """
 
 LOCAL_MODE = """
-import io, sys, tempfile
+import io, sys, tempfile, uuid
 from rich.console import Console
 sys.path.insert(0, {helpers!r})
 from controller_fakes import FakeServer, make_plane, metrics_text
@@ -138,10 +140,12 @@ logs = tempfile.mkdtemp()
 args = build_parser().parse_args([
     "controller", "--url", "http://eep.test:30000", "--min-size", "2", "--max-size", "4",
     "--up-window", "0", "--command", "sleep 60 {{rank_offset}}", "--log-dir", logs,
-    "--deployment", "no-kube-test", "--once"])
+    "--deployment", "no-kube-test-" + uuid.uuid4().hex[:8], "--once"])
 out = io.StringIO()
 loop = build_loop(args, Console(file=out, width=200), transport=server.transport)
 loop.run(once=True)
+stopped = loop.launcher.terminate(range(8))  # the joiner it launched, by pid
+assert [launch.rank_offset for launch in stopped] == [2], stopped
 loop.close()
 assert server.posts()[0]["operation_id"] == "ctl-1-grow-to-3", out.getvalue()
 assert "kubernetes" not in sys.modules

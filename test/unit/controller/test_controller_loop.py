@@ -409,3 +409,24 @@ def test_a_joiner_that_ends_is_reported_once_with_its_exit_code() -> None:
     text = out.getvalue()
     assert text.count(f"joiner {launch.handle} for rank(s) 2 exited with code 0") == 1
     loop.close()
+
+
+def test_a_scale_up_whose_joiner_dies_before_the_commit_is_cancelled_not_waited_out() -> None:
+    plane = make_plane()
+    server = FakeServer(plane)
+    server.metrics = HOT
+    launcher = MemoryLauncher()
+    loop, out = make_loop(server, launcher)
+    loop.tick()  # POST ctl-1-grow-to-3
+    loop.tick()  # its joiner is launched
+    (launch,) = launcher.list()
+    launcher.exit(launch.handle, code=1)  # the joiner died at start-up
+    loop.tick()
+    assert server.paths("DELETE") == ["/scale_elastic_ep/ctl-1-grow-to-3"]
+    status = plane.status()
+    assert status.current_operation is None and status.effective_ep_size == 2
+    assert status.recent_operations[0].result.value == "cancelled"
+    assert status.safe_to_terminate_ranks == [2]
+    text = out.getvalue()
+    assert "DELETE /scale_elastic_ep/ctl-1-grow-to-3" in text and "HTTP 200" in text
+    loop.close()

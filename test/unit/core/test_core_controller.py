@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from sglang_elastic_ep.core.api_models import (
 )
 from sglang_elastic_ep.core.autoscaler import AutoscalerConfig
 from sglang_elastic_ep.core.controller import (
+    CancelScale,
     ControllerConfig,
     Decision,
     ElasticController,
@@ -236,6 +238,27 @@ def test_running_scale_up_gets_its_joiners_once() -> None:
                                                                            alive=False)])
     assert decision.actions == ()
     assert any("exited" in h.reason for h in decision.holds)
+
+
+def test_its_own_scale_up_whose_joiner_died_before_the_commit_is_cancelled_once() -> None:
+    c = ElasticController(config())
+    mine = status(2, current=op("ctl-1-grow-to-4", 2, 4))
+    dead = [launch(2, "ctl-1-grow-to-4"), replace(launch(3, "ctl-1-grow-to-4", alive=False),
+                                                  exit_code=1)]
+    decision = step(c, 100, mine, launches=dead)
+    (cancel,) = [a for a in decision.actions if isinstance(a, CancelScale)]
+    assert cancel.operation_id == "ctl-1-grow-to-4"
+    assert "exited (codes [1])" in cancel.reason and cancel.inputs["exit_codes"] == [1]
+    # Past the commit point, or someone else's operation: the server ends it; only a hold.
+    current = mine.current_operation
+    assert current is not None
+    for other in (current.model_copy(update={"phase": Phase.JOINING}),
+                  current.model_copy(update={"operation_id": "grow-x"})):
+        running = status(2, current=other)
+        launches = [replace(x, operation_id=other.operation_id) for x in dead]
+        decision = step(c, 101, running, launches=launches)
+        assert not [a for a in decision.actions if isinstance(a, CancelScale)]
+        assert any("will fail and release it" in h.reason for h in decision.holds)
 
 
 def test_joiners_are_whole_steps_and_never_below_launch_size() -> None:
