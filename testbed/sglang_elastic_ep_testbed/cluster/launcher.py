@@ -51,6 +51,10 @@ CPU_ENV = {
     "OMP_NUM_THREADS": "1",
     # NIXL EP dispatches fp8 unless told otherwise; the CPU buffer moves the model's dtype.
     "SGLANG_NIXL_EP_BF16_DISPATCH": "1",
+    # SGLang's shared Mooncake transfer engine (which it hands to Mooncake's process groups)
+    # listens on this address instead of the machine's first LAN address: every connection
+    # of the CPU cluster stays on loopback.
+    "SGLANG_HOST_IP": "127.0.0.1",
 }
 
 
