@@ -3,6 +3,7 @@ clears when the schedulers answer again."""
 
 from __future__ import annotations
 
+import pytest
 from eep_api_helpers import Clock, FakeEngine, make_app, make_plane
 from fastapi.testclient import TestClient
 
@@ -26,7 +27,9 @@ def test_a_stall_is_reported_with_its_phase_and_cleared() -> None:
     assert client.get("/elastic_ep/health").json()["stalled"] is None
 
 
-def test_the_stall_watch_reads_the_tokenizers_table_and_last_answer(monkeypatch) -> None:
+def test_the_stall_watch_reads_the_tokenizers_table_and_last_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from types import SimpleNamespace
 
     from sglang_elastic_ep.sglang import background_pollers
