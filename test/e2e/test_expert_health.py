@@ -11,6 +11,11 @@ experts slow; after 5 checks that measured them slow the rank is hard-blocked
 dispatch: tokens go to the replicas on ranks 0 and 1. That shows in the rows each rank's
 experts computed (rank 0's report in ``/server_info``): a request served by shard 2 adds none
 on rank 2.
+
+Then the same cluster stalls on purpose: every scheduler is stopped (SIGSTOP) while requests
+wait, as when all wait in a collective for a peer that does not come; after
+``--elastic-ep-stall-timeout`` the status and the health report say ``stalled``, and once the
+schedulers run again (SIGCONT) the report clears and every request completes.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from sglang_elastic_ep.sglang.expert_health import REPORT_KEY
 from sglang_elastic_ep.sglang.expert_timing import ENV_TEST_SLOW_EXPERTS
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import greedy_reference
-from sglang_elastic_ep_testbed.cluster.observe import sse_events
+from sglang_elastic_ep_testbed.cluster.observe import sse_events, wait_status
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
@@ -34,6 +40,7 @@ BLOCKED_S = 300  # a check runs between batches: on three ranks over two cores, 
 # No fault is injected here: a Mooncake timeout long enough that a starved rank is never taken
 # for a dead one (the fault tests' 2 s is too short for three ranks on two cores).
 COLLECTIVE_TIMEOUT_S = 30.0
+STALL_TIMEOUT_S = 5.0
 
 
 def wait_hard_blocked(url: str, rank: int, timeout_s: float) -> dict:
@@ -103,13 +110,14 @@ def wait_served_without(load: LoadClient, url: str, rank: int, timeout_s: float)
 def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> None:
     spec = ClusterSpec(
         tiny_model, ep_size=3, max_ep_size=4, moe_a2a_backend="nixl",
-        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S, fault_window_s=COLLECTIVE_TIMEOUT_S,
         # static dispatch: each rank's tokens use its own replicas, so every rank's experts
         # run (and get timed); without it every token takes the first replica (rank 0's).
         extra_args=["--ep-num-redundant-experts", "32", "--ep-dispatch-algorithm", "static",
                     "--elastic-ep-health-interval", "1",
                     "--elastic-ep-slow-expert-checks", "5",
-                    "--elastic-ep-slow-expert-threshold", "5"],
+                    "--elastic-ep-slow-expert-threshold", "5",
+                    "--elastic-ep-stall-timeout", str(STALL_TIMEOUT_S)],
     )
     cluster = LocalCluster(spec)
     cluster.env[ENV_TEST_SLOW_EXPERTS] = "2:200"
@@ -156,3 +164,30 @@ def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> N
         assert "experts of ranks [2] blocked (slow)" in primary_log
         status = read_status(url)
         assert [r["experts"] for r in status["ranks"][:3]] == [list(range(16))] * 3, status
+
+        # Every scheduler stops for a while, as when they wait in a collective for a peer that
+        # does not come: requests wait and nothing answers. The status and the health report
+        # say "stalled" after --elastic-ep-stall-timeout, and stop saying it once the
+        # schedulers run again; every request then completes.
+        assert read_status(url)["stalled"] is None
+        schedulers = [psutil.Process(pid) for pid in cluster.primary.scheduler_pids().values()]
+        waiting = LoadClient(url, concurrency=2, max_new_tokens=4).start()
+        try:
+            for proc in schedulers:
+                proc.suspend()
+            try:
+                stalled = wait_status(url, lambda s: s["stalled"], STALL_TIMEOUT_S + 30,
+                                      "the status reports the stall")
+                assert stalled["waiting_requests"] >= 1, stalled
+                assert "no scheduler has answered" in stalled["message"], stalled
+                health = httpx.get(url + "/elastic_ep/health", timeout=30).json()
+                assert health["stalled"] is not None, health
+            finally:
+                for proc in schedulers:
+                    proc.resume()
+            wait_status(url, lambda s: s if s["stalled"] is None else None, 60,
+                        "the stall clears once the schedulers answer")
+        finally:
+            after = waiting.stop()
+        assert after and all(r.ok for r in after), after[:3]
+        assert not [e for e in sse_events(url) if e["type"] == "rank_failed"]

@@ -39,6 +39,7 @@ from sglang_elastic_ep.core.api_models import (
     SafeToTerminateEvent,
     ScaleRequest,
     ScaleResponse,
+    StallStatus,
     StatusResponse,
 )
 from sglang_elastic_ep.core.events import EventLog
@@ -156,6 +157,7 @@ class InProcessControlPlane:
         self._health_snapshot: HealthResponse | None = None
         self._placement: dict[int, list[int]] | None = None
         self._recovery_phase: Phase | None = None
+        self._stalled: StallStatus | None = None
         self._metrics = metrics
         # Guards membership, health and the recovery phase; never held across an await.
         self._lock = threading.RLock()
@@ -307,6 +309,10 @@ class InProcessControlPlane:
                 for r in status.ranks
             ]
             status = status.model_copy(update={"ranks": ranks})
+        stalled = self._stalled
+        if stalled is not None:
+            status = status.model_copy(update={"stalled": stalled.model_copy(
+                update={"phase": status.phase})})
         return status
 
     def report_expert_placement(self, experts_by_rank: Mapping[int, list[int]]) -> None:
@@ -316,9 +322,35 @@ class InProcessControlPlane:
 
     def health(self) -> HealthResponse:
         with self._lock:
-            if self._health_snapshot is not None:
-                return self._health_snapshot
-            return self._health.to_response(self._instance_id)
+            health = (self._health_snapshot if self._health_snapshot is not None
+                      else self._health.to_response(self._instance_id))
+            stalled = self._stalled
+        if stalled is not None:
+            health = health.model_copy(update={"stalled": stalled})
+        return health
+
+    def observe_stall(self, since: float | None, waiting_requests: int) -> None:
+        """The stall watch's verdict (``core.stall``): stalled since ``since``, or not."""
+        if since is None:
+            if self._stalled is not None:
+                logger.warning("elastic EP: serving resumed after a stall of %.0f s",
+                               self._clock() - self._stalled.since)
+            self._stalled = None
+            return
+        now = self._clock()
+        phase = self.status().phase
+        if self._stalled is None:
+            logger.warning("elastic EP: serving stalled: %d requests wait and no scheduler has "
+                           "answered for %.0f s (phase %s)", waiting_requests, now - since,
+                           phase.value)
+        self._stalled = StallStatus(
+            since=since, stalled_s=round(now - since, 3), waiting_requests=waiting_requests,
+            phase=phase,
+            message=(f"{waiting_requests} requests wait and no scheduler has answered for "
+                     f"{now - since:.0f} s (phase {phase.value}): a scheduler is stuck, often in a "
+                     "collective whose peer never came; the schedulers' stacks (py-spy dump) show "
+                     "where. Serving resumes by itself if the peer arrives; else restart it"),
+        )
 
     # --- engine -> control plane --------------------------------------------------------
 

@@ -255,6 +255,18 @@ class OperationStatus(_Strict):
     error: str | None = None
 
 
+class StallStatus(_Strict):
+    """Serving has stalled: requests wait and no scheduler answered for ``stalled_s``."""
+
+    since: float = Field(description="When the schedulers last answered (or requests began "
+                         "to wait, if later).")
+    stalled_s: float
+    waiting_requests: int
+    phase: Phase = Field(description="The phase the deployment was in (the step it is stuck "
+                         "in when an operation runs).")
+    message: str
+
+
 class StatusResponse(_Strict):
     """``GET /elastic_ep/status``."""
 
@@ -270,6 +282,9 @@ class StatusResponse(_Strict):
         default_factory=list, description="Finished operations, newest first."
     )
     last_error: str | None = None
+    stalled: StallStatus | None = Field(
+        default=None, description="Set while requests wait and no scheduler answers."
+    )
 
 
 class ExpertHealthStatus(_Strict):
@@ -301,6 +316,9 @@ class HealthResponse(_Strict):
     median_latency_s: float | None
     ranks: list[RankHealthStatus]
     experts: list[ExpertHealthStatus]
+    stalled: StallStatus | None = Field(
+        default=None, description="Set while requests wait and no scheduler answers."
+    )
 
 
 # --- events -------------------------------------------------------------------------------

@@ -45,6 +45,11 @@ EXTRA_FLAGS: dict[str, tuple[str, Any, type, str]] = {
         "elastic_ep_health_interval", 2.0, float,
         "seconds between expert-latency health checks (0 turns them off)",
     ),
+    "--elastic-ep-stall-timeout": (
+        "elastic_ep_stall_timeout", 60.0, float,
+        "seconds with requests waiting and no answer from any scheduler before the status and "
+        "health report the server stalled (0 turns the check off)",
+    ),
     "--elastic-ep-webhook-url": (
         "elastic_ep_webhook_url", None, str,
         "URL that receives elastic EP events as JSON POSTs (retried with backoff)",
@@ -103,6 +108,9 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
         latency_threshold=server_args.elastic_ep_slow_expert_threshold,
         persistence_threshold=server_args.elastic_ep_slow_expert_checks,
     )
+    if server_args.elastic_ep_stall_timeout < 0:
+        raise ValueError("--elastic-ep-stall-timeout must be >= 0 seconds (0: off), got "
+                         f"{server_args.elastic_ep_stall_timeout}")
     if server_args.elastic_ep_health_interval < 0:
         raise ValueError("--elastic-ep-health-interval must be >= 0 seconds (0: off), got "
                          f"{server_args.elastic_ep_health_interval}")

@@ -93,6 +93,37 @@ class ExpertHealthPoller:
         threading.Thread(target=run, name="elastic-ep-health", daemon=True).start()
 
 
+class StallWatch:
+    """Reports a stall (``core.stall``) to the plane: requests in the tokenizer's table and no
+    answer from any scheduler for ``threshold_s``. Reads two attributes of the tokenizer from
+    its own thread, never its event loop (a stalled server's loop is busy waiting too)."""
+
+    def __init__(self, tokenizer_manager: Any, plane: InProcessControlPlane,
+                 threshold_s: float) -> None:
+        from sglang_elastic_ep.core.stall import StallDetector
+
+        self._tm = tokenizer_manager
+        self._plane = plane
+        self._detector = StallDetector(threshold_s)
+
+    def check(self) -> None:
+        waiting = len(getattr(self._tm, "rid_to_state", {}) or {})
+        last = getattr(self._tm, "last_receive_tstamp", None)
+        since = self._detector.observe(time.time(), waiting, last)
+        self._plane.observe_stall(since, waiting)
+
+    def start(self, interval_s: float) -> None:
+        def run() -> None:
+            while True:
+                time.sleep(interval_s)
+                try:
+                    self.check()
+                except Exception:  # a missed check is retried at the next interval
+                    logger.debug("elastic EP: stall check failed", exc_info=True)
+
+        threading.Thread(target=run, name="elastic-ep-stall-watch", daemon=True).start()
+
+
 def start_metrics_refresher(plane: InProcessControlPlane) -> None:
     """Gauges follow every change already; time spent degraded also grows between changes."""
 

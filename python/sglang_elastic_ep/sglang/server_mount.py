@@ -16,6 +16,7 @@ from sglang_elastic_ep.core.health import HealthConfig
 from sglang_elastic_ep.core.validation import ScaleTopology
 from sglang_elastic_ep.sglang.background_pollers import (
     ExpertHealthPoller,
+    StallWatch,
     start_metrics_refresher,
 )
 from sglang_elastic_ep.sglang.http_state import (
@@ -78,6 +79,9 @@ def mount_on_server(result: Any, global_state: Any) -> None:
     adapter.plane = plane
     if metrics is not None:
         start_metrics_refresher(plane)
+    stall_timeout = float(getattr(server_args, "elastic_ep_stall_timeout", 60.0))
+    if stall_timeout > 0:
+        StallWatch(tm, plane, stall_timeout).start(min(1.0, stall_timeout / 4))
     interval = float(getattr(server_args, "elastic_ep_health_interval", 2.0))
     if interval > 0:
         ExpertHealthPoller(tm, plane).start(interval)
