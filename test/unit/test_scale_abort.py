@@ -99,7 +99,8 @@ def test_dropping_a_cancelled_scale_up_tells_upstream_and_remembers_it(manager: 
     state = waiting()
     request_cancel(state)
     runner = Runner()
-    abort_pending_scale(runner, state, "the scale to 3 is called off (cancelled)")
+    abort_pending_scale(runner, state, AbortReason.CANCELLED,
+                        "the scale to 3 is called off (cancelled)")
     assert manager == ["scale-up to 3 cancelled"]
     assert runner.calls == ["eplb re-armed", "told tokenizer: scale-up to 3 cancelled at 2"]
     # A cancel arriving after the drop (another scheduler's copy) is answered as done.
@@ -109,7 +110,8 @@ def test_dropping_a_cancelled_scale_up_tells_upstream_and_remembers_it(manager: 
 
 def test_a_timed_out_scale_up_is_dropped_with_the_reason(manager: list[str]) -> None:
     state = waiting()
-    abort_pending_scale(Runner(), state, "the scale to 3 is called off (timed_out)")
+    abort_pending_scale(Runner(), state, AbortReason.TIMED_OUT,
+                        "the scale to 3 is called off (timed_out)")
     assert manager == ["scale-up to 3 called off: the scale to 3 is called off (timed_out)"]
     assert scale_abort_state(state).last_cancelled is None
 
@@ -117,5 +119,19 @@ def test_a_timed_out_scale_up_is_dropped_with_the_reason(manager: list[str]) -> 
 def test_a_rank_that_has_not_seen_the_request_drops_nothing(manager: list[str]) -> None:
     state = SimpleNamespace(pending_ep_size=None, effective_ep_size=2, scale_phase="idle")
     runner = Runner()
-    abort_pending_scale(runner, state, "called off")
+    abort_pending_scale(runner, state, AbortReason.CANCELLED, "called off")
     assert manager == [] and runner.calls == []
+
+
+def test_a_rank_whose_copy_of_the_cancel_comes_later_answers_it_as_done(
+    manager: list[str],
+) -> None:
+    # Rank 1 took the cancel and its row aborted the scale on every rank; rank 0's copy of
+    # the cancel was still on its way. When it arrives, it is answered as done (seen in the
+    # e2e: answered "nothing pending" before, which the HTTP side turned into a 409).
+    state = waiting()
+    abort_pending_scale(Runner(), state, AbortReason.CANCELLED,
+                        "the scale to 3 is called off (cancelled)")
+    assert manager == ["scale-up to 3 cancelled"]
+    state.pending_ep_size = None
+    assert request_cancel(state) == (True, "the scale-up to 3 is already cancelled")

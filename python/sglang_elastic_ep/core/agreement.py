@@ -407,6 +407,7 @@ class GatheredRound:
     verdict: LockstepVerdict
     proposals: tuple[Proposal, ...] = ()
     problem: str | None = None  # why the rows forbid entering although they may look ready
+    abort: AbortReason = AbortReason.NONE  # on ABORT: why (a cancel wins over a timeout)
 
 
 def verdict_from_proposals(proposals: Sequence[Proposal],
@@ -424,7 +425,8 @@ def verdict_from_proposals(proposals: Sequence[Proposal],
         # Before anything else: a rank that calls the step off never enters it, so no rank may.
         reason, target = aborting[0]
         return GatheredRound(LockstepVerdict.ABORT, found,
-                             f"the scale to {target} is called off ({reason.name.lower()})")
+                             f"the scale to {target} is called off ({reason.name.lower()})",
+                             abort=reason)
     serving = sorted({p.serving for p in found})
     if len(serving) > 1:
         return GatheredRound(LockstepVerdict.WAIT, found,

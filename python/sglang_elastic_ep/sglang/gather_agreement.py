@@ -86,7 +86,7 @@ class GatherAgreement:
     def finish(self, agreed: AgreedRound) -> None:
         self.fresh = agreed
         self.gathered_since_mark = True
-        if agreed.outcome.problem is not None:
+        if agreed.outcome.problem is not None and agreed.verdict is not LockstepVerdict.ABORT:
             self.report_once(f"membership agreement: {agreed.outcome.problem}; waiting")
 
     def take(self) -> AgreedRound | None:
@@ -376,6 +376,7 @@ def agree_by_all_reduce(state: Any, runner: Any) -> AgreedRound:
     if int(reduced[3]):  # some rank calls the pending step off: every rank drops it
         reason = AbortReason(int(reduced[3]))
         return AgreedRound(GatheredRound(LockstepVerdict.ABORT, (proposal,),
-                                         f"called off ({reason.name.lower()})"), proposal)
+                                         f"called off ({reason.name.lower()})", abort=reason),
+                           proposal)
     verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
     return AgreedRound(GatheredRound(verdict, (proposal,)), proposal)

@@ -71,17 +71,19 @@ def abort_reason(state: Any, kind: StepKind, target: int, timeout_s: float,
     return AbortReason.NONE
 
 
-def abort_pending_scale(runner: Any, state: Any, reason: str) -> None:
+def abort_pending_scale(runner: Any, state: Any, reason: AbortReason, detail: str) -> None:
     """The verdict was ABORT: drop this rank's pending scale-up, as upstream does when one
-    fails (its EPLB re-armed, the tokenizer told), and serve on at the old size."""
+    fails (its EPLB re-armed, the tokenizer told), and serve on at the old size. ``reason``
+    is the verdict's, whichever rank's row carried it: a rank whose copy of the cancel is still
+    on its way records the cancel too, and answers it as done when it arrives."""
     abort = scale_abort_state(state)
     target = state.pending_ep_size
-    cancelled = target is not None and abort.cancel_target == target
+    cancelled = reason is AbortReason.CANCELLED
     abort.cancel_target = None
     if target is None or target <= state.effective_ep_size:
         return  # nothing of this rank's to drop (it has not seen the request yet)
     message = (f"scale-up to {target} cancelled" if cancelled
-               else f"scale-up to {target} called off: {reason}")
+               else f"scale-up to {target} called off: {detail}")
     state_manager().fail_scale(message)
     if cancelled:
         abort.last_cancelled = target

@@ -121,7 +121,8 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         # declare the failure unrecoverable. The next pass's gather carries the let-go.
         return None
     if agreed.verdict is LockstepVerdict.ABORT:
-        return abort_pending_scale(runner, state, agreed.outcome.problem or "called off")
+        return abort_pending_scale(runner, state, agreed.outcome.abort,
+                                   agreed.outcome.problem or "called off")
     if agreed.verdict is LockstepVerdict.NOTHING_PENDING \
             and tail_recovery.contraction_target(state, runner):
         # A rank failed during this pass's forward, after the gather: upstream's step would
