@@ -127,8 +127,7 @@ def test_a_rank_whose_copy_of_the_cancel_comes_later_answers_it_as_done(
     manager: list[str],
 ) -> None:
     # Rank 1 took the cancel and its row aborted the scale on every rank; rank 0's copy of
-    # the cancel was still on its way. When it arrives, it is answered as done (seen in the
-    # e2e: answered "nothing pending" before, which the HTTP side turned into a 409).
+    # the cancel was still on its way. When it arrives, it is answered as done, not refused.
     state = waiting()
     abort_pending_scale(Runner(), state, AbortReason.CANCELLED,
                         "the scale to 3 is called off (cancelled)")

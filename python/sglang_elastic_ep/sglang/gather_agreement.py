@@ -233,7 +233,9 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
     else:
         kind, ready = StepKind.NONE, 0
     ready = readiness_skew(runner).apply(ready)
-    abort = abort_reason(state, kind, target, scale_timeout_s())
+    # Only a scale-up waiting for its joiners is called off: no config lookup on other passes.
+    abort = (abort_reason(state, kind, target, scale_timeout_s()) if kind is StepKind.GROW
+             else AbortReason.NONE)
     return Proposal(rank=rank, kind=kind, ready=0 if abort else ready, target=target,
                     serving=int(state.effective_ep_size), abort=abort)
 
