@@ -74,6 +74,16 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.expert_dispatch:dispatch_info_with_layer", "AROUND",
          "the repair step needs the layer's full replica list; upstream's is collapsed to the "
          "nearest replica with an a2a backend"),
+    Hook(f"{S}eplb.expert_location.ExpertLocationMetadata.update",
+         "sglang.layout_hooks:layout_installed", "AFTER",
+         "EPLB rewrites the layout in place: the repair step's replica tables follow it, and "
+         "the install is counted (a rebalance that installed one is told apart)"),
+    Hook(f"{S}eplb.eplb_manager.EPLBManager.rebalance", "sglang.eplb_log:rebalance_recorded",
+         "AROUND", "the status lists the EP size at each EPLB rebalance (proof it ran there)"),
+    Hook(f"{S}layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader",
+         "sglang.replica_loading:weight_loader_every_replica", "AROUND",
+         "upstream loads one replica per expert per rank (the collapsed list); a layout with "
+         "two replicas on one rank would leave the second unloaded"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.maybe_join_ep_ranks",
          "sglang.scale_progress:agreed_join_step", "AROUND",
          "rank agreement: enter membership collectives only on the pass the gathered verdict "

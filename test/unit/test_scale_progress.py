@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +18,7 @@ from sglang_elastic_ep.core.agreement import (
 )
 from sglang_elastic_ep.sglang import scale_progress, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import AgreedRound, gather_agreement
+from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on, membership_state_on_host
 
 
@@ -48,9 +51,11 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     import sglang.srt.runtime_context as runtime_context
 
     calls: list[str] = []
-    state = SimpleNamespace(active_ranks=torch.ones(4, dtype=torch.int32))
+    state = SimpleNamespace(active_ranks=torch.ones(4, dtype=torch.int32),
+                            active_ranks_cpu=torch.tensor([1, 1, 0, 0], dtype=torch.int32))
     runner = SimpleNamespace(_elastic_ep_readiness_skew=SimpleNamespace(
-        entered=lambda: calls.append("skew reset")))
+        entered=lambda: calls.append("skew reset")),
+        eplb_manager=SimpleNamespace(reset_generator=lambda: calls.append("eplb reset")))
     monkeypatch.setattr(scale_progress, "elastic_state", lambda: state)
     monkeypatch.setattr(scale_progress, "lockstep_agreement_on", lambda s, p: True)
     monkeypatch.setattr(runtime_context, "get_parallel", lambda: object())
@@ -65,8 +70,8 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(scale_progress, "agree_by_all_reduce",
                         lambda s, r: calls.append("all-reduce") or round_of(LockstepVerdict.WAIT))
 
-    def run() -> None:
-        scale_progress.agreed_join_step(lambda r: calls.append("upstream"), runner)
+    def run(upstream: Callable[[], None] = lambda: calls.append("upstream")) -> None:
+        scale_progress.agreed_join_step(lambda r: upstream(), runner)
 
     return SimpleNamespace(calls=calls, state=state, run=run,
                            agreement=gather_agreement(state), failed=failed_since_gather)
@@ -165,3 +170,22 @@ def test_a_failure_seen_after_the_gather_skips_upstreams_step_until_the_next_gat
     step.agreement.fresh = round_of(LockstepVerdict.ENTER, StepKind.LET_GO, target=2)
     step.run()
     assert step.calls == ["skew reset", "let go to 2"]
+
+
+@pytest.mark.parametrize(("slot", "kind", "eplb"), [
+    (2, "scale-up", []),  # a new slot: upstream re-arms EPLB, nothing reset here
+    (1, "recovery", ["eplb reset"]),  # a slot that served before: stale statistics
+])
+def test_a_grow_logs_which_kind_of_join_it_was_and_resets_eplb_for_a_recovery_only(
+    step: SimpleNamespace, slot: int, kind: str, eplb: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mirror = mirror_of(step.state)
+    if slot == 1:  # rank 1 failed (it served before)
+        mirror.set_active([1], False)
+    step.agreement.finish(round_of(LockstepVerdict.ENTER, StepKind.GROW, slot + 1))
+    step.agreement.mark_iteration()
+    with caplog.at_level(logging.INFO):
+        step.run(lambda: mirror.set_active([slot]))
+    assert step.calls == ["skew reset", "noted", *eplb]
+    assert f"ranks [{slot}] joined by {kind}" in caplog.text

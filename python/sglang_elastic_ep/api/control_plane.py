@@ -156,6 +156,8 @@ class InProcessControlPlane:
         self._health = RankHealthMonitor(range(initial_ep_size), health_config)
         self._health_snapshot: HealthResponse | None = None
         self._placement: dict[int, list[int]] | None = None
+        self._slots: dict[int, list[int]] = {}
+        self._rebalances: list[int] = []
         self._recovery_phase: Phase | None = None
         self._stalled: StallStatus | None = None
         self._metrics = metrics
@@ -300,25 +302,37 @@ class InProcessControlPlane:
             if status.current_operation is None and self._recovery_phase is not None:
                 status = status.model_copy(update={"phase": self._recovery_phase})
             placement, effective = self._placement, self._membership.effective_size
+            slots, rebalances = dict(self._slots), list(self._rebalances)
         # A placement reported for another size is stale (the poll runs every few seconds):
         # show none until the engine reports the current one.
         if placement and len(placement) == effective:
             ranks = [
-                r.model_copy(update={"experts": placement.get(r.rank)})
+                r.model_copy(update={"experts": placement.get(r.rank),
+                                     "expert_slots": slots.get(r.rank)})
                 if r.rank < effective else r
                 for r in status.ranks
             ]
             status = status.model_copy(update={"ranks": ranks})
+        if rebalances:
+            status = status.model_copy(update={"eplb_rebalances": rebalances})
         stalled = self._stalled
         if stalled is not None:
             status = status.model_copy(update={"stalled": stalled.model_copy(
                 update={"phase": status.phase})})
         return status
 
-    def report_expert_placement(self, experts_by_rank: Mapping[int, list[int]]) -> None:
-        """The engine's current placement (logical experts per rank), shown in the status."""
+    def report_expert_placement(
+        self,
+        experts_by_rank: Mapping[int, list[int]],
+        slots_by_rank: Mapping[int, list[int]] | None = None,
+        rebalances: Iterable[int] = (),
+    ) -> None:
+        """The engine's current placement (logical experts per rank, and the expert in each
+        slot) and the EP size at each EPLB rebalance so far, shown in the status."""
         with self._lock:
             self._placement = {int(r): list(e) for r, e in experts_by_rank.items()}
+            self._slots = {int(r): list(e) for r, e in (slots_by_rank or {}).items()}
+            self._rebalances = [int(size) for size in rebalances]
 
     def health(self) -> HealthResponse:
         with self._lock:

@@ -221,6 +221,11 @@ class RankStatus(_Strict):
         description="Logical experts with a replica on this rank (first MoE layer), as the "
         "engine last reported them; null when not reported or the rank serves none.",
     )
+    expert_slots: list[int] | None = Field(
+        default=None,
+        description="The logical expert in each of this rank's physical slots (first MoE "
+        "layer), in slot order; an EPLB rebalance or an expert move changes it.",
+    )
 
 
 class PhaseTimestamp(_Strict):
@@ -284,6 +289,11 @@ class StatusResponse(_Strict):
     last_error: str | None = None
     stalled: StallStatus | None = Field(
         default=None, description="Set while requests wait and no scheduler answers."
+    )
+    eplb_rebalances: list[int] = Field(
+        default_factory=list,
+        description="The EP size at each EPLB rebalance that installed a new expert layout "
+        "since launch, oldest first (empty without --enable-eplb).",
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,42 @@ def is_recovery_join(rank_ids: Iterable[int], ever_active: Iterable[int]) -> boo
             " recover and scale in separate operations"
         )
     return bool(joining) and before == joining
+
+
+class JoinKind(str, enum.Enum):
+    """What a join does to EPLB (the RFC's ``is_recovery_join``)."""
+
+    RECOVERY = "recovery"  # the slots served before: EPLB's statistics are stale, reset it
+    SCALE_UP = "scale-up"  # new slots: EPLB re-arms on the new layout and may rebalance
+
+
+class SlotHistory:
+    """Which EP slots were ever active since their experts last left the layout, per process.
+
+    Every membership event shows the mask (:meth:`observe`); a slot cut from the expert map
+    (scale-down, letting go of a failed tail) is forgotten (:meth:`release`), because its next
+    join gets fresh slots appended to the map, exactly as a new rank would. :meth:`join_kind`
+    answers the RFC's question for a join: "were these ranks previously active?"
+    """
+
+    def __init__(self, initially_active: Iterable[int] = ()) -> None:
+        self._ever: set[int] = {int(r) for r in initially_active}
+
+    @property
+    def ever_active(self) -> frozenset[int]:
+        return frozenset(self._ever)
+
+    def observe(self, mask: Sequence[int]) -> None:
+        self._ever.update(r for r, v in enumerate(mask) if v)
+
+    def release(self, ranks: Iterable[int]) -> None:
+        self._ever.difference_update(int(r) for r in ranks)
+
+    def join_kind(self, rank_ids: Iterable[int]) -> JoinKind:
+        """Raises ``ValueError`` for a mix of old and new slots (see :func:`is_recovery_join`)."""
+        if is_recovery_join(rank_ids, self._ever):
+            return JoinKind.RECOVERY
+        return JoinKind.SCALE_UP
 
 
 @dataclass(frozen=True)

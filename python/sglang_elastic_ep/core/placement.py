@@ -290,6 +290,14 @@ def experts_per_rank(physical_to_logical: Sequence[int], local_slots: int) -> di
     return {rank: sorted(held) for rank, held in sorted(ranks.items())}
 
 
+def slots_per_rank(physical_to_logical: Sequence[int], local_slots: int) -> dict[int, list[int]]:
+    """The logical expert in each physical slot, per rank, in slot order (one MoE layer)."""
+    if local_slots < 1:
+        raise ValueError(f"local_slots must be >= 1, got {local_slots}")
+    return {rank: [int(e) for e in physical_to_logical[start:start + local_slots]]
+            for rank, start in enumerate(range(0, len(physical_to_logical), local_slots))}
+
+
 def scale_down_map(
     physical_to_logical: Sequence[Sequence[int]],
     old_ep_size: int,

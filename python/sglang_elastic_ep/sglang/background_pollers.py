@@ -34,7 +34,7 @@ class ExpertHealthPoller:
         from sglang.srt.managers.io_struct import SetInternalStateReq
 
         from sglang_elastic_ep.core.health import ExpertTimings, blockable_ranks
-        from sglang_elastic_ep.core.placement import experts_per_rank
+        from sglang_elastic_ep.core.placement import experts_per_rank, slots_per_rank
         from sglang_elastic_ep.sglang.expert_health import BLOCKED_RANKS_KEY, REPORT_KEY
 
         tm = self._tm
@@ -48,7 +48,9 @@ class ExpertHealthPoller:
                                 ns_per_row=tuple(report["ns_per_row"]),
                                 rows=tuple(report["rows"]))
         plane.report_expert_placement(
-            experts_per_rank(report["physical_to_logical"], timings.local_slots)
+            experts_per_rank(report["physical_to_logical"], timings.local_slots),
+            slots_per_rank(report["physical_to_logical"], timings.local_slots),
+            report.get("eplb_rebalances", ()),
         )
         m = plane.membership
         ranks = [r for r in range(m.effective_size) if r not in m.leaving]

@@ -143,22 +143,32 @@ def dispatch_info_with_layer(
 
 
 # device -> (the metadata it was built from, table, counts); the reference keeps the metadata
-# alive, so a new metadata can never reuse the old one's id.
+# alive, so a new metadata can never reuse the old one's id. EPLB rewrites a metadata in place
+# (``ExpertLocationMetadata.update``): :func:`refresh_replica_tables` follows it.
 _full_replica_cache: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
 
-def full_replica_table(physical_to_logical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def full_replica_table(
+    physical_to_logical: torch.Tensor, num_logical: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[layers, logical, R]`` physical replicas of each logical expert (-1 padded, in slot
-    order) and ``[layers, logical]`` counts, from the ``[layers, physical]`` map."""
+    order) and ``[layers, logical]`` counts, from the ``[layers, physical]`` map.
+
+    With ``num_logical`` given, ``R`` is ``physical - logical + 1`` (the most replicas any
+    layout can give one expert), so a rebalance of the same shape can be copied in place.
+    """
     p2l = physical_to_logical.to("cpu", torch.int64)
     layers, num_physical = p2l.shape
-    num_logical = int(p2l.max().item()) + 1 if p2l.numel() else 0
+    if num_logical is None:
+        num_logical = int(p2l.max().item()) + 1 if p2l.numel() else 0
     replicas = [[[] for _ in range(num_logical)] for _ in range(layers)]
     for layer in range(layers):
         for slot, logical in enumerate(p2l[layer].tolist()):
-            if logical >= 0:
+            if 0 <= logical < num_logical:
                 replicas[layer][logical].append(slot)
     width = max((len(r) for row in replicas for r in row), default=1)
+    if num_logical:
+        width = max(width, num_physical - num_logical + 1)
     table = torch.full((layers, num_logical, width), -1, dtype=torch.int64)
     counts = torch.zeros((layers, num_logical), dtype=torch.int64)
     for layer, row in enumerate(replicas):
@@ -179,13 +189,33 @@ def _full_replicas(
     if cached is None or cached[0] is not metadata:
         if capturing:
             return None  # built outside capture on the first eager pass
-        table, counts = full_replica_table(metadata.physical_to_logical_map)
+        table, counts = full_replica_table(
+            metadata.physical_to_logical_map, int(metadata.num_logical_experts)
+        )
         cached = (metadata, table.to(device), counts.to(device))
         _full_replica_cache[key] = cached
     _, table, counts = cached
     if layer >= table.shape[0]:
         return None
     return table[layer], counts[layer]
+
+
+def refresh_replica_tables(updated: Any) -> None:
+    """After an EPLB rebalance rewrote the metadata ``updated`` in place: the replica tables
+    built from it are rebuilt, copied into the same tensors when the shapes match, so a
+    captured CUDA graph reads the new layout without recapture."""
+    for key, (metadata, table, counts) in list(_full_replica_cache.items()):
+        if metadata is not updated:
+            continue
+        new_table, new_counts = full_replica_table(
+            updated.physical_to_logical_map, int(updated.num_logical_experts)
+        )
+        if new_table.shape == table.shape and new_counts.shape == counts.shape:
+            table.copy_(new_table)
+            counts.copy_(new_counts)
+        else:
+            _full_replica_cache[key] = (updated, new_table.to(table.device),
+                                        new_counts.to(counts.device))
 
 
 # ------------------------------------------------------------------- tensor logic (no SGLang)

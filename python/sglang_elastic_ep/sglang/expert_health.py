@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from sglang_elastic_ep.sglang.eplb_log import layout_log
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import (
     attached_state,
@@ -133,6 +134,7 @@ def add_report(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         "rows": values[half:],
         "physical_to_logical": p2l,
         "blocked_ranks_mask": health.blocked_mask,
+        "eplb_rebalances": list(layout_log(state).rebalances),
     }
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from sglang_elastic_ep.backends.active_ranks_mirror import ActiveRanksMirror
 from sglang_elastic_ep.backends.nixl_membership import BufferSizing, NixlMembership
-from sglang_elastic_ep.core.membership import is_recovery_join
+from sglang_elastic_ep.sglang.join_kind import note_join, slot_history
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import (
     elastic_ep_enabled,
@@ -264,7 +264,9 @@ def state_after_snapshot_active_to_last(result: Any, self: Any) -> None:
 def state_after_sync_active_to_cpu(result: Any, self: Any) -> None:
     """AFTER ``ElasticEPState.sync_active_to_cpu``: a membership event; the host copy is fresh."""
     if self.active_ranks_cpu is not None:
-        mirror_of(self).set_mask(self.active_ranks_cpu)
+        mirror = mirror_of(self)
+        mirror.set_mask(self.active_ranks_cpu)
+        slot_history(self).observe(mirror.as_list())
     return None
 
 
@@ -292,14 +294,14 @@ def maybe_recover_ep_ranks(
         for i in range(mirror.size)
         if not (mirror.is_active(i) and (i >= len(cpu_vals) or cpu_vals[i]))
     ]
-    if not ranks_to_recover or not ee.try_recover_ranks(ranks_to_recover):
+    if not ranks_to_recover:
         return False
-    # The mask covers the launch-time group: every rank it names was active at launch.
-    if not is_recovery_join(ranks_to_recover, ever_active=range(mirror.size)):
-        if eplb_manager is not None:
-            eplb_manager.reset_generator()
-    # A recovery keeps EPLB's state: the replacement takes the failed rank's slots, and the
-    # locations broadcast below put its experts back where they were.
+    state = elastic_state()
+    kind = slot_history(state).join_kind(ranks_to_recover) if state is not None else None
+    if not ee.try_recover_ranks(ranks_to_recover):
+        return False
+    # The replacement takes the failed rank's slots: the locations broadcast below put its
+    # experts back where they were.
     _replace_nixl_peers(ranks_to_recover)
     ee.broadcast_global_expert_location_metadata(
         model_config=model_config,
@@ -308,6 +310,8 @@ def maybe_recover_ep_ranks(
     )
     ee.ElasticEPStateManager.instance().reset()
     mirror.set_active(ranks_to_recover)
+    if kind is not None:
+        note_join(state, ranks_to_recover, kind, eplb_manager)
     logger.info("recover ranks %s done", ranks_to_recover)
     return True
 

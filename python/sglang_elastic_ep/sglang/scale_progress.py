@@ -27,6 +27,8 @@ from sglang_elastic_ep.sglang.gather_agreement import (
     gather_agreement,
     readiness_skew,
 )
+from sglang_elastic_ep.sglang.join_kind import note_join, slot_history
+from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import end_when_settled, get_logger
 from sglang_elastic_ep.sglang.scale_abort import abort_pending_scale
 from sglang_elastic_ep.sglang.scale_down import finalize_scale_down
@@ -123,11 +125,6 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     if agreed.verdict is LockstepVerdict.ABORT:
         return abort_pending_scale(runner, state, agreed.outcome.abort,
                                    agreed.outcome.problem or "called off")
-    if agreed.verdict is LockstepVerdict.NOTHING_PENDING \
-            and tail_recovery.contraction_target(state, runner):
-        # A rank failed during this pass's forward, after the gather: upstream's step would
-        # declare the failure unrecoverable. The next pass's gather carries the let-go.
-        return None
     if agreed.verdict is LockstepVerdict.ENTER:
         readiness_skew(runner).entered()
         proposal = agreed.proposal
@@ -135,6 +132,23 @@ def agreed_join_step(original: Any, runner: Any) -> None:
             return tail_recovery.let_go_of_failed_tail(runner, proposal.target)
         if proposal.kind is StepKind.SHRINK:
             return finalize_scale_down(runner, proposal.target)
+        if proposal.kind is StepKind.GROW:
+            return _grow(original, runner, state, proposal.target)
     original(runner)
     tail_recovery.note_committed(state)
     return None
+
+
+def _grow(original: Any, runner: Any, state: Any, target: int) -> None:
+    """Upstream's admission and commit of the joiners, and which kind of join it was."""
+    joining = mirror_of(state).inactive_ranks(target)
+    try:
+        kind = slot_history(state).join_kind(joining)
+    except ValueError as exc:  # a mix of old and new slots: upstream admits them all
+        logger.warning("[elastic-ep] %s", exc)
+        kind = None
+    original(runner)
+    tail_recovery.note_committed(state)
+    joined = [r for r in joining if mirror_of(state).is_active(r)]
+    if joined and kind is not None:
+        note_join(state, joined, kind, runner.eplb_manager)

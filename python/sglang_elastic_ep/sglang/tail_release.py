@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang.expert_moves import move_experts_off_leaving_ranks
+from sglang_elastic_ep.sglang.join_kind import slot_history
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import expert_location_metadata, state_manager
 
@@ -81,6 +82,7 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
     state.active_ranks[target:] = 0
     state.snapshot_active_to_last()
     state.sync_active_to_cpu()
+    slot_history(state).release(leaving)  # their experts left the map: a rejoin is a scale-up
     answer = deactivate_ranks(dist.group.WORLD, leaving)
     logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks(%s): %s, epoch %s", rank,
                 leaving, getattr(answer, "status", answer), getattr(answer, "new_epoch", "?"))

@@ -122,5 +122,5 @@ def test_status_response_serialises_rank_states() -> None:
         RankState.INACTIVE,
     ]
     assert json.loads(status.model_dump_json())["ranks"][1] == {
-        "rank": 1, "state": "failed", "experts": None,
+        "rank": 1, "state": "failed", "experts": None, "expert_slots": None,
     }
