@@ -80,6 +80,18 @@ HOOKS: tuple[Hook, ...] = (
          "the install is counted (a rebalance that installed one is told apart)"),
     Hook(f"{S}eplb.eplb_manager.EPLBManager.rebalance", "sglang.eplb_log:rebalance_recorded",
          "AROUND", "the status lists the EP size at each EPLB rebalance (proof it ran there)"),
+    Hook(f"{S}eplb.eplb_algorithms.rebalance_experts",
+         "sglang.eplb_spread:rebalance_experts_spread", "AROUND",
+         "--elastic-ep-expert-min-ranks: every EPLB layout keeps each expert on that many "
+         "ranks, so a rank fault leaves every expert served"),
+    Hook(f"{S}eplb.expert_location._compute_elastic_expert_layout",
+         "sglang.layout_checks:elastic_expert_layout", "AROUND",
+         "experts that do not split over the launch ranks: a startup error naming the "
+         "--ep-num-redundant-experts values that do (upstream's assert has no message)"),
+    Hook(f"{S}eplb.expert_location_updater.ExpertLocationUpdater.update",
+         "sglang.weight_transfers:update_without_joiner_p2p", "AROUND",
+         "the pinned Mooncake aborts on P2P with ranks added after launch: weight moves that "
+         "involve a scale-joined rank load from the checkpoint instead"),
     Hook(f"{S}layers.moe.fused_moe_triton.layer.FusedMoE.weight_loader",
          "sglang.replica_loading:weight_loader_every_replica", "AROUND",
          "upstream loads one replica per expert per rank (the collapsed list); a layout with "

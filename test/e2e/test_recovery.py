@@ -100,6 +100,9 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             assert {p: r.output_ids for p, r in after.items()} == reference
             recover_log = cluster.followers[1].log_path.read_text(errors="replace")
             assert " DP1 TP1 EP1] Prefill batch" in recover_log, "shard 1 must serve again"
+            # The survivor took the join for a recovery: rank 1 served before (EPLB reset).
+            survivor_log = cluster.primary.log_path.read_text(errors="replace")
+            assert "ranks [1] joined by recovery (slots active before)" in survivor_log
             assert metric(url, "sglang:elastic_ep_failed_ranks") == 0.0
             assert (metric(url, "sglang:elastic_ep_degraded_seconds_total") or 0.0) > 0.0
 

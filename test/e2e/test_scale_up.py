@@ -1,12 +1,27 @@
-"""Runtime scale-up and recovery after it on the CPU cluster under steady load (NIXL EP).
+"""Runtime scale-up, recovery after it and scale-down on the CPU cluster under steady load
+(NIXL EP), with EPLB rebalancing at every size.
 
-2 -> 3 with the joiner launched before the POST and rank 1 injected 3 passes late. The
-existing ranks keep serving, no request fails, the fixed prompts decode to the same tokens
-before, during and after, the DP router sends requests to the new shard, and the operation's
-events arrive over SSE and at a webhook receiver in order. Then the joiner is killed with
-SIGKILL and relaunched with ``--ep-join-mode recover`` (upstream answers
-``recovery_unsupported`` after a scale): the survivors keep serving, let go of its slot and
-re-admit the replacement, each step held back by the late rank. Killing the replacement in
+The launch placement puts each half of the experts twice on one rank (``HALVES``: rank 0 holds
+experts 0..7 in all 16 slots, rank 1 holds 8..15), the layout whose outputs once changed after
+a scale-up (upstream loaded only one of a rank's two replicas of an expert). EPLB is on with a
+short interval and ``--elastic-ep-expert-min-ranks 2``, so every layout it installs keeps each
+expert on two ranks and a rank fault never leaves an expert without a replica: that is what
+keeps greedy outputs exact through the fault below.
+
+1. At 2 ranks EPLB rebalances (the status lists a rebalance at 2 and both ranks hold every
+   expert: the layout is no longer the launch one).
+2. 2 -> 3 with the joiner launched before the POST and rank 1 injected 3 passes late. The
+   existing ranks keep serving, the DP router sends requests to the new shard, the
+   operation's events arrive over SSE and at a webhook receiver in order, and rank 0's log
+   says the join was a scale-up (new slots: EPLB re-armed). EPLB rebalances at 3.
+3. The joiner is killed with SIGKILL and relaunched with ``--ep-join-mode recover`` (upstream
+   answers ``recovery_unsupported`` after a scale): the survivors keep serving, let go of its
+   slot and re-admit the replacement, each step held back by the late rank; EPLB rebalances
+   at 3 again.
+4. 3 -> 2: the experts only rank 2 holds move first; EPLB rebalances at 2 again.
+
+Throughout: no request fails except those the killed rank held (503 with a message), and the
+fixed prompts decode to the same tokens before, during and after. Killing the replacement in
 turn and removing it is a second test, skipped for a known hang (its marker says which).
 
 2 -> 3 -> 4 (joiners launched before the POST) and 2 -> 4 (the joiner launched after the POST)
@@ -16,6 +31,7 @@ are in test_scale_down.py's chain.
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 import time
@@ -42,6 +58,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     wait_each_shard_serves,
     wait_operation,
     wait_rank_state,
+    wait_rebalanced,
 )
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
@@ -120,17 +137,35 @@ FAULT_SEEN_S = 90
 LOAD_CLIENTS = 2
 
 
+def rebalances(url: str) -> int:
+    return len(read_status(url)["eplb_rebalances"])
+
+
+def assert_every_expert_on_two_ranks(current: dict, size: int) -> None:
+    """What ``--elastic-ep-expert-min-ranks 2`` promises of an installed layout."""
+    held: dict[int, set[int]] = {}
+    for rank in current["ranks"][:size]:
+        for expert in rank["expert_slots"]:
+            held.setdefault(expert, set()).add(rank["rank"])
+    assert sorted(held) == list(range(16)), current["ranks"]
+    assert all(len(ranks) >= 2 for ranks in held.values()), held
+
+
 def grow_kill_and_recover(
     cluster: LocalCluster, load: LoadClient
 ) -> tuple[ServerProcess, float, int]:
-    """2 -> 3 with the joiner first, SIGKILL of the joiner once it serves, its relaunch with
-    ``--ep-join-mode recover``; returns the replacement, when the joiner was killed and the
-    batches the joiner ran."""
+    """2 -> 3 with the joiner first, an EPLB rebalance at 3, SIGKILL of the joiner, its relaunch
+    with ``--ep-join-mode recover``; returns the replacement, when the joiner was killed and
+    the batches the joiner ran."""
     url = cluster.url
+    seen = rebalances(url)
     joiner = grow_2_to_3_joiner_first(cluster, "grow-to-3")
+    primary_log = cluster.primary.log_path.read_text(errors="replace")
+    assert "ranks [2] joined by scale-up (new slots)" in primary_log
     # Kill it once it serves: a death during its first handshake is the NIXL buffer's test
     # (test_joiner_dying_in_its_first_handshake_...).
     served_by_joiner = wait_until_served(joiner.log_path, 2, JOINER_SERVES_S)
+    assert_every_expert_on_two_ranks(wait_rebalanced(url, 3, seen, REBALANCED_S), 3)
 
     killed_at = time.monotonic()
     cluster.kill_server(joiner)
@@ -140,12 +175,14 @@ def grow_kill_and_recover(
     # The survivors keep serving.
     wait_each_shard_serves(load, [0, 1], JOINER_SERVES_S)
 
+    seen = rebalances(url)
     replacement = cluster.start_joiner("recover", rank_offset=2)
     recovered = wait_rank_state(url, 2, "active", SCALE_TIMEOUT_S)
     assert recovered["phase"] == "serving_recovered", recovered
     assert recovered["effective_ep_size"] == 3, recovered
     # Load on three shards again, the replacement's included.
     wait_each_shard_serves(load, [0, 1, 2], JOINER_SERVES_S, logs={2: replacement.log_path})
+    assert_every_expert_on_two_ranks(wait_rebalanced(url, 3, seen, REBALANCED_S), 3)
     return replacement, killed_at, served_by_joiner
 
 
@@ -159,13 +196,20 @@ def assert_only_the_killed_ranks_requests_lost(results: list[RequestResult], kil
     assert_nothing_lost([r for r in results if r.ok], reference)
 
 
+HALVES = [*range(8), *range(8), *range(8, 16), *range(8, 16)]  # 2 ranks x 16 slots
+EPLB_PASSES = 30  # forward passes between rebalances (seconds under this load)
+REBALANCED_S = 240  # for a rebalance at a new size (three busy ranks on two cores)
+
+
 def skewed_cluster(tiny_model: Path, hook: WebhookReceiver) -> LocalCluster:
+    placement = json.dumps({"physical_to_logical_map": [HALVES, HALVES]})  # both MoE layers
     spec = ClusterSpec(
         tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
-        # Every expert on both launch ranks too: the survivors serve all of them while rank 2
-        # is down, so greedy outputs stay identical throughout.
         extra_args=["--ep-num-redundant-experts", "16", "--enable-metrics",
-                    "--elastic-ep-webhook-url", hook.url],
+                    "--elastic-ep-webhook-url", hook.url, "--init-expert-location", placement,
+                    "--enable-eplb", "--eplb-rebalance-num-iterations", str(EPLB_PASSES),
+                    "--expert-distribution-recorder-buffer-size", str(EPLB_PASSES),
+                    "--elastic-ep-expert-min-ranks", "2"],
     )
     cluster = LocalCluster(spec)
     cluster.env[ENV_TEST_SKEW] = "1:3"
@@ -173,42 +217,59 @@ def skewed_cluster(tiny_model: Path, hook: WebhookReceiver) -> LocalCluster:
 
 
 @pytest.mark.timeout(1500)
-def test_scale_up_2_to_3_then_recover_the_joiner_with_a_late_rank(tiny_model: Path) -> None:
+def test_grow_recover_the_joiner_and_shrink_with_eplb_and_a_late_rank(tiny_model: Path) -> None:
     """Rank 1 sees each membership change 3 passes late (injected skew).
 
     2 -> 3 under load: rank 0 keeps serving until rank 1 catches up, then both admit the joiner
     on the same pass. Then the joiner (rank 2, which joined by scale-up: upstream answers
     ``recovery_unsupported``) is killed with SIGKILL under load and relaunched with
     ``--ep-join-mode recover``: the survivors let go of its slot and re-admit the replacement,
-    again held back by the late rank; back at 3 ranks, shard 2 serves again."""
+    again held back by the late rank; back at 3 ranks, shard 2 serves again. Then 3 -> 2.
+    EPLB rebalances at each size on the way (module docstring)."""
     with WebhookReceiver() as hook, skewed_cluster(tiny_model, hook) as cluster:
         url = cluster.url
         reference = greedy_reference(url)
         load = LoadClient(url, concurrency=LOAD_CLIENTS, max_new_tokens=8).start()
         try:
+            at_launch = wait_rebalanced(url, 2, 0, REBALANCED_S)
+            assert [r["expert_slots"] for r in at_launch["ranks"][:2]] != [HALVES[:16],
+                                                                         HALVES[16:]]
+            assert_every_expert_on_two_ranks(at_launch, 2)
             replacement, killed_at, served_by_joiner = grow_kill_and_recover(cluster, load)
+            with httpx.Client() as client:
+                for i in range(6):  # round-robin over 3 shards: 2 each
+                    assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
+            assert batches_run_by(replacement.log_path, 2) > 0, "shard 2 must serve again"
+            seen = rebalances(url)
+            shrink = httpx.post(url + "/scale_elastic_ep",
+                                json={"new_ep_size": 2, "operation_id": "shrink-to-2"},
+                                timeout=60)
+            assert shrink.status_code == 200, shrink.text
+            assert wait_operation(url, "shrink-to-2", SCALE_TIMEOUT_S)["result"] == "succeeded"
+            assert replacement.wait_exit(SCALE_TIMEOUT_S) == 0, replacement.log_tail()
+            assert_every_expert_on_two_ranks(wait_rebalanced(url, 2, seen, REBALANCED_S), 2)
         finally:
             results = load.stop()
 
         assert_only_the_killed_ranks_requests_lost(results, killed_at, reference)
         assert greedy_reference(url) == reference
         assert served_by_joiner > 0, "the DP router must use new shard 2"
-        with httpx.Client() as client:
-            for i in range(6):  # round-robin over 3 shards: 2 each
-                assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
-        assert batches_run_by(replacement.log_path, 2) > 0, "shard 2 must serve again"
+        sizes = read_status(url)["eplb_rebalances"]
+        assert sizes[0] == 2 and sizes.count(3) >= 2 and sizes[-1] == 2, sizes
         primary_log = cluster.primary.log_path.read_text(errors="replace")
         for size in (3, 2):  # the scale-up, then letting go of the failed slot
             assert f"rank 1 holds back readiness for size {size} (pass 3 of 3)" in primary_log
         assert primary_log.count("holds back readiness for size 3 (pass 3 of 3)") == 2, \
             "the re-admission must wait for the late rank too"
-        assert metric(url, "sglang:elastic_ep_effective_size") == 3.0
+        assert metric(url, "sglang:elastic_ep_effective_size") == 2.0
         assert metric(url, "sglang:elastic_ep_failed_ranks") == 0.0
         assert metric(
             url, 'sglang:elastic_ep_operations_total{kind="scale_up",result="succeeded"}'
         ) == 1.0
         events = sse_events(url)
         assert operation_events(events)["grow-to-3"] == SCALE_EVENTS
+        assert operation_events(events)["shrink-to-2"] == [
+            "scale_requested", "scale_committed", "safe_to_terminate"]
         assert rank_events(events, 2) == RECOVERY_EVENTS, events
         delivered = hook.wait_for(
             lambda got: operation_events(got).get("grow-to-3") == SCALE_EVENTS

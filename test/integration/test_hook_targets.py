@@ -50,6 +50,33 @@ def test_ep_join_mode_alias_parses_and_conflicts_fail() -> None:
     assert eep_args.join_mode_for_slot(None, 0) is None
 
 
+def test_eplb_flags_elastic_default_and_min_ranks_validation() -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_elastic_ep.sglang import args as eep_args
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    eep_args.add_cli_args(None, parser)
+    ns = parser.parse_args(["--model-path", "m", "--elastic-ep-expert-min-ranks", "2"])
+    assert ns.elastic_ep_expert_min_ranks == 2
+    assert parser.parse_args(["--model-path", "m"]).elastic_ep_expert_min_ranks == 1
+
+    def eplb(backend: str | None, enabled: bool, algorithm: str) -> str:
+        server_args = SimpleNamespace(elastic_ep_backend=backend, enable_eplb=enabled,
+                                      eplb_algorithm=algorithm)
+        eep_args.prefer_elasticity_aware_eplb(server_args)
+        return server_args.eplb_algorithm
+
+    assert eplb("mooncake", True, "auto") == "elasticity_aware"
+    assert eplb("mooncake", True, "deepseek") == "deepseek"  # the operator's choice stays
+    assert eplb(None, True, "auto") == "auto"  # not elastic: upstream's auto
+    assert eplb("mooncake", False, "auto") == "auto"
+
+
 # ------------------------------------------------- NIXL data-plane hooks: gated pass-through
 
 

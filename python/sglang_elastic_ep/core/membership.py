@@ -101,6 +101,17 @@ class SlotHistory:
         return JoinKind.SCALE_UP
 
 
+def p2p_peers_mask(active: Sequence[int], rank: int, launch_size: int) -> list[int]:
+    """The active mask this rank shows to a weight update whose point-to-point transfers must
+    stay between launch-time ranks (both ends of a transfer compute the same answer):
+    a launch-time rank keeps the active launch-time ranks; a rank that joined by scale-up
+    keeps only itself. Transfers to the masked ranks are skipped by the sender, and the
+    receiver loads those experts from the checkpoint instead."""
+    if rank >= launch_size:
+        return [1 if r == rank else 0 for r in range(len(active))]
+    return [int(bool(v)) if r < launch_size else 0 for r, v in enumerate(active)]
+
+
 @dataclass(frozen=True)
 class FailedTail:
     """The failed ranks inside the effective size, and whether re-admission can bring them back.

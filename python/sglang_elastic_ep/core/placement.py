@@ -327,3 +327,97 @@ def scale_down_map(
         staying = [e for r in range(new_ep_size) for e in plan.placement[r]]
         moved.append(staying + list(row[new_ep_size * slots:]))
     return moved
+
+
+def spread_replicas(
+    physical_to_logical: Sequence[int], slots_per_rank: int, min_ranks: int,
+    num_logical_experts: int,
+) -> list[int]:
+    """One layer's map after each expert has a replica on at least ``min_ranks`` ranks (fewer
+    when there are fewer ranks), so that any ``min_ranks - 1`` ranks can fail without an
+    expert losing every replica.
+
+    A slot is taken over only from an expert that keeps ``min_ranks`` ranks without it (a
+    second replica on the same rank goes first, then the expert with the most replicas), so
+    the experts EPLB made hot keep most of their replicas. Raises ``PlacementError`` when the
+    slots cannot give every expert ``min_ranks`` ranks."""
+    if min_ranks < 1:
+        raise PlacementError(f"min_ranks must be >= 1, got {min_ranks}")
+    if slots_per_rank < 1 or len(physical_to_logical) % slots_per_rank:
+        raise PlacementError(f"{len(physical_to_logical)} physical experts do not split into "
+                             f"ranks of {slots_per_rank} slots")
+    row = list(physical_to_logical)
+    num_ranks = len(row) // slots_per_rank
+    want = min(min_ranks, num_ranks)
+    if num_logical_experts * want > len(row):
+        raise PlacementError(f"{num_logical_experts} experts on {want} ranks each need "
+                             f"{num_logical_experts * want} slots, there are {len(row)}")
+
+    def ranks_of(expert: int) -> set[int]:
+        return {s // slots_per_rank for s, e in enumerate(row) if e == expert}
+
+    def replicas(expert: int) -> int:
+        return sum(1 for e in row if e == expert)
+
+    for expert in range(num_logical_experts):
+        while len(held := ranks_of(expert)) < want:
+            # A slot on a rank without ``expert`` whose expert can spare it: a same-rank
+            # duplicate, or a replica on more ranks than needed; the most replicated first.
+            candidates = [
+                s for s in range(len(row))
+                if s // slots_per_rank not in held and _can_spare(row, s, slots_per_rank, want)
+            ]
+            if not candidates:
+                raise PlacementError(f"no slot can take a replica of expert {expert}: "
+                                     "every other slot holds an expert's last needed replica")
+            slot = max(candidates,
+                       key=lambda s: (_duplicate_on_rank(row, s, slots_per_rank),
+                                      replicas(row[s]), s))
+            row[slot] = expert
+    return row
+
+
+def _duplicate_on_rank(row: Sequence[int], slot: int, slots_per_rank: int) -> bool:
+    start = slot - slot % slots_per_rank
+    return row[slot] == EMPTY or sum(
+        1 for e in row[start:start + slots_per_rank] if e == row[slot]) > 1
+
+
+def _can_spare(row: Sequence[int], slot: int, slots_per_rank: int, want: int) -> bool:
+    """Whether the expert in ``slot`` still has ``want`` ranks without it."""
+    expert = row[slot]
+    if expert == EMPTY or _duplicate_on_rank(row, slot, slots_per_rank):
+        return True
+    ranks = {s // slots_per_rank for s, e in enumerate(row) if e == expert and s != slot}
+    return len(ranks) >= want
+
+
+def launch_slots_per_rank(num_logical_experts: int, num_redundant: int, launch_size: int) -> int:
+    """Physical expert slots per rank, fixed at launch for every size the deployment takes:
+    (experts + redundant experts) / launch size. Raises ``PlacementError`` when that does not
+    divide, naming the redundant counts that would."""
+    if num_logical_experts < 1 or num_redundant < 0 or launch_size < 1:
+        raise PlacementError(f"need experts >= 1, redundant >= 0, ranks >= 1; got "
+                             f"{num_logical_experts}, {num_redundant}, {launch_size}")
+    total = num_logical_experts + num_redundant
+    if total % launch_size:
+        fits = [r for r in range(num_redundant + 1, num_redundant + 2 * launch_size + 1)
+                if (num_logical_experts + r) % launch_size == 0][:2]
+        below = num_redundant - total % launch_size
+        options = ([below] if below >= 0 else []) + fits
+        raise PlacementError(
+            f"{num_logical_experts} experts + {num_redundant} redundant = {total} physical "
+            f"expert slots do not split over the {launch_size} launch ranks: use "
+            f"--ep-num-redundant-experts {' or '.join(str(r) for r in options)}")
+    return total // launch_size
+
+
+def size_refusal(num_logical_experts: int, slots_per_rank: int, new_size: int) -> str | None:
+    """Why ``new_size`` ranks cannot hold every expert (each rank keeps its launch slots), or
+    None. A scale-up always fits: the new ranks' slots only add replicas."""
+    if new_size * slots_per_rank >= num_logical_experts:
+        return None
+    need = -(-num_logical_experts // slots_per_rank)
+    return (f"{new_size} ranks x {slots_per_rank} expert slots hold fewer than the "
+            f"{num_logical_experts} experts: keep at least {need} ranks, or launch with more "
+            "--ep-num-redundant-experts")

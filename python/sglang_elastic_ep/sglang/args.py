@@ -50,6 +50,11 @@ EXTRA_FLAGS: dict[str, tuple[str, Any, type, str]] = {
         "seconds with requests waiting and no answer from any scheduler before the status and "
         "health report the server stalled (0 turns the check off)",
     ),
+    "--elastic-ep-expert-min-ranks": (
+        "elastic_ep_expert_min_ranks", 1, int,
+        "every EPLB layout keeps each expert on at least this many ranks, so that this many "
+        "minus one ranks can fail with every expert still served (1: EPLB's layout as is)",
+    ),
     "--elastic-ep-webhook-url": (
         "elastic_ep_webhook_url", None, str,
         "URL that receives elastic EP events as JSON POSTs (retried with backoff)",
@@ -114,8 +119,22 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
     if server_args.elastic_ep_health_interval < 0:
         raise ValueError("--elastic-ep-health-interval must be >= 0 seconds (0: off), got "
                          f"{server_args.elastic_ep_health_interval}")
+    if server_args.elastic_ep_expert_min_ranks < 1:
+        raise ValueError("--elastic-ep-expert-min-ranks must be >= 1, got "
+                         f"{server_args.elastic_ep_expert_min_ranks}")
+    prefer_elasticity_aware_eplb(server_args)
     server_args.ep_join_mode = join_mode_for_slot(
         resolve_join_mode(getattr(server_args, "ep_join_mode", None),
                           server_args.eep_join_mode_alias),
         int(getattr(server_args, "ep_join_rank_offset", 0) or 0),
     )
+
+
+def prefer_elasticity_aware_eplb(server_args: Any) -> None:
+    """With elastic EP, EPLB's ``auto`` picks upstream's elasticity-aware algorithm, which packs
+    experts onto the active ranks only (``deepseek``, the usual ``auto``, would place experts on
+    a failed rank's slots)."""
+    if (getattr(server_args, "elastic_ep_backend", None) is not None
+            and getattr(server_args, "enable_eplb", False)
+            and getattr(server_args, "eplb_algorithm", None) == "auto"):
+        server_args.eplb_algorithm = "elasticity_aware"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sglang_elastic_ep.core.placement import PlacementError, scale_down_map
+from sglang_elastic_ep.core.placement import PlacementError, scale_down_map, size_refusal
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import expert_location_metadata
 
@@ -42,6 +42,12 @@ def planned_map(old_ep_size: int, new_ep_size: int) -> tuple[Any, list[list[int]
 
 def shrink_refusal(old_ep_size: int, new_ep_size: int) -> str | None:
     """Why the staying ranks cannot take every expert (a 422 for the request), else None."""
+    metadata = expert_location_metadata()
+    if metadata is not None:
+        too_few = size_refusal(int(metadata.num_logical_experts),
+                               int(metadata.num_local_physical_experts), new_ep_size)
+        if too_few is not None:
+            return f"cannot shrink from {old_ep_size} to {new_ep_size} ranks: {too_few}"
     try:
         planned_map(old_ep_size, new_ep_size)
     except PlacementError as exc:

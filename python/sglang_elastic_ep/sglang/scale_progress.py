@@ -69,17 +69,25 @@ def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwarg
 
 
 def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
-    """AROUND ``elastic_ep.maybe_rebalance_after_rank_fault``: without ``--enable-eplb`` there is
-    no manager to rebalance with (upstream dereferences None and kills the scheduler). Record the
-    new active set and rely on the mask-aware dispatch (``expert_dispatch``) to route tokens to
-    live replicas instead."""
-    if eplb_manager is not None:
-        return original(eplb_manager=eplb_manager)
+    """AROUND ``elastic_ep.maybe_rebalance_after_rank_fault``: upstream rebalances at once over
+    a world that still counts the failed ranks. Two cases skip it, record the new active set and
+    rely on the mask-aware dispatch (``expert_dispatch``) to route tokens to live replicas:
+    without ``--enable-eplb`` (no manager: upstream dereferences None and kills the scheduler),
+    and a failed tail of scale-joined ranks, which the survivors let go of on an agreed pass
+    (``tail_recovery``); EPLB then rebalances the layout of the ranks that remain."""
     state = elastic_state()
+    tail = state is not None and eplb_manager is not None \
+        and tail_recovery.failed_tail_to_let_go(state)
+    if eplb_manager is not None and not tail:
+        return original(eplb_manager=eplb_manager)
     if state is None or state.is_active_equal_last():
         return False
     state.snapshot_active_to_last()
     state.sync_active_to_cpu()
+    if tail:
+        logger.info("[elastic-ep] active ranks changed to %s: EPLB waits until the survivors let "
+                    "go of the failed tail", state.active_ranks_cpu.tolist())
+        return False
     logger.warning(
         "[elastic-ep] active ranks changed to %s without EPLB: experts of inactive ranks are "
         "served from live replicas where they exist (start with --enable-eplb to rebalance)",

@@ -102,6 +102,15 @@ def contraction_target(state: Any, runner: Any) -> int:
     return tail.first
 
 
+def failed_tail_to_let_go(state: Any) -> bool:
+    """Whether the failed ranks are a tail of scale-joined ranks that the survivors will let go
+    of: their slots leave the layout, and EPLB rebalances the smaller one afterwards."""
+    if state.pending_ep_size is not None or not state.has_scaled:
+        return False
+    tail = failed_tail(_live_mask(state), state.effective_ep_size, state.original_ep_size)
+    return tail is not None and tail.problem is None
+
+
 def _uncovered_without(first: int, effective: int) -> str | None:
     metadata = expert_location_metadata()
     if metadata is None:

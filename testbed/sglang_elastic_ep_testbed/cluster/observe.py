@@ -74,6 +74,20 @@ def wait_experts_reported(url: str, ranks: int, timeout_s: float = 60) -> list[l
     return wait_status(url, reported, timeout_s, f"experts of {ranks} ranks reported")
 
 
+def wait_rebalanced(url: str, size: int, seen: int, timeout_s: float) -> dict:
+    """Poll the status until it lists more than ``seen`` EPLB rebalances, the newest at
+    ``size`` ranks, with every rank's expert slots reported for that size; the status then."""
+    def rebalanced(current: dict) -> dict | None:
+        sizes = current.get("eplb_rebalances", [])
+        slots = [r.get("expert_slots") for r in current["ranks"][:size]]
+        if len(sizes) > seen and sizes[-1] == size and current["effective_ep_size"] == size \
+                and all(s is not None for s in slots):
+            return current
+        return None
+
+    return wait_status(url, rebalanced, timeout_s, f"an EPLB rebalance at {size} ranks")
+
+
 def sse_events(url: str) -> list[dict]:
     """Every buffered event, read over ``GET /elastic_ep/events`` (SSE, not followed)."""
     resp = httpx.get(url + "/elastic_ep/events", params={"follow": "false"}, timeout=30)
