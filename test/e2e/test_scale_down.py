@@ -20,9 +20,11 @@ goes to four ranks: 2 -> 3 -> 2 -> 3 -> 4 -> 2 -> 3 -> 4 -> 3 -> 2, covering 4 -
 3 -> 2 -> 3 and 4 -> 2 -> 4 with new joiners. Two of its joiners start beside three ranks, about
 6 minutes each on two cores, which is why it is not in the suite.
 
-Upstream's trivial placement: ranks 0 and 1 hold experts 0..7 and 8..15 (8 slots each), a
-joiner's slots get copies. (With ``--init-expert-location`` putting each half twice on one
-rank, some outputs changed after the joiners came in; the cause is not known yet.)
+The suite's chain launches with ``--init-expert-location`` putting each half of the experts
+twice on one rank (``HALVES``: rank 0 holds 0..7 in its 16 slots, rank 1 holds 8..15); a
+joiner's slots get copies of every expert. With this layout outputs used to change once a
+joiner came in: SGLang loaded only one of a rank's two replicas of an expert
+(docs/design.md, "Every replica is loaded"). The long chain keeps upstream's trivial layout.
 
 The long chain's steps:
 1. 2 -> 3 with the joiner launched before the POST.
@@ -82,6 +84,7 @@ from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 SCALE_TIMEOUT_S = 420
+HALVES = [*range(8), *range(8), *range(8, 16), *range(8, 16)]  # 2 ranks x 16 slots
 CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
 EXIT_TIMEOUT_S = 60
 GROW = ["scale_requested", "rank_joined", "scale_committed"]
@@ -246,13 +249,18 @@ def assert_served_throughout(results: list, reference: dict[str, list[int]], url
 @pytest.mark.timeout(1800)
 def test_shrink_and_regrow_between_2_and_3_under_load(tiny_model: Path) -> None:
     """The suite's chain, 2 -> 3 -> 2 -> 3 -> 2, each joiner launched beside two ranks."""
+    placement = json.dumps({"physical_to_logical_map": [HALVES, HALVES]})  # both MoE layers
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
-                       extra_args=["--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S)])
+                       extra_args=["--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S),
+                                   "--ep-num-redundant-experts", "16",
+                                   "--init-expert-location", placement])
     with LocalCluster(spec) as cluster:
         url = cluster.url
         reference = greedy_reference(url)
         launch_placement = [list(range(8)), list(range(8, 16))]
         assert wait_experts_reported(url, ranks=2) == launch_placement
+        slots = [r["expert_slots"] for r in read_status(url)["ranks"][:2]]
+        assert slots == [HALVES[:16], HALVES[16:]], slots
 
         load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
         try:

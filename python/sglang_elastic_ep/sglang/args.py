@@ -128,6 +128,7 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
                           server_args.eep_join_mode_alias),
         int(getattr(server_args, "ep_join_rank_offset", 0) or 0),
     )
+    reserve_room_to_grow(server_args)
 
 
 def prefer_elasticity_aware_eplb(server_args: Any) -> None:
@@ -138,3 +139,38 @@ def prefer_elasticity_aware_eplb(server_args: Any) -> None:
             and getattr(server_args, "enable_eplb", False)
             and getattr(server_args, "eplb_algorithm", None) == "auto"):
         server_args.eplb_algorithm = "elasticity_aware"
+
+
+def declared_max_ep_size(server_args: Any) -> int | None:
+    """The ``--max-ep-size`` the operator gave (the largest size a scale request may ask for),
+    which :func:`reserve_room_to_grow` may have raised internally."""
+    return getattr(server_args, "eep_declared_max_ep_size", None) or getattr(
+        server_args, "max_ep_size", None)
+
+
+def reserve_room_to_grow(server_args: Any) -> None:
+    """A deployment launched at its ``--max-ep-size`` (and every joiner or replacement of one)
+    gets one attention replica of capacity above it, reserved and never offered.
+
+    Upstream turns its runtime-scale machinery on (the expandable WORLD, the joiners' DP gather,
+    and with it this plugin's per-pass agreement) only when ``--max-ep-size`` is above the
+    launch size, so a deployment launched at its maximum could neither shrink nor grow back.
+    Every process of the deployment computes the same capacity from the same flags (a scale
+    joiner's launch size is its ``--elastic-ep-initial-size``); scale requests above the
+    declared maximum are still refused with 400. The cost: NIXL buffers and the active-rank
+    mask sized for one more replica."""
+    declared = getattr(server_args, "max_ep_size", None)
+    if getattr(server_args, "elastic_ep_backend", None) is None or not declared:
+        return
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    if getattr(server_args, "ep_join_mode", None) == "scale":
+        launch = getattr(server_args, "elastic_ep_initial_size", None)
+    else:
+        launch = getattr(server_args, "elastic_ep_initial_size", None) or tp
+    if launch is None or int(launch) != int(declared):
+        return
+    dp = int(getattr(server_args, "attn_dp_size", None) or getattr(server_args, "dp_size", 1)
+             or 1)
+    replica = tp // dp if getattr(server_args, "enable_dp_attention", False) else tp
+    server_args.eep_declared_max_ep_size = int(declared)
+    server_args.max_ep_size = int(declared) + max(1, replica)

@@ -12,6 +12,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang.upstream import attached_state, elastic_ep_enabled, elastic_state
 
 KEEP = 64  # rebalances remembered (oldest dropped)
@@ -33,16 +34,32 @@ def layout_log(state: Any) -> ExpertLayoutLog:
     return attached_state(state, "_elastic_ep_layout_log", ExpertLayoutLog)
 
 
+# Upstream rebalances after a scale only in its own settled phases; a scale-down (this
+# plugin's) settles in SERVING_CONTRACTED, which upstream does not know.
+UPSTREAM_SETTLED = "serving_expanded"
+SETTLED_HERE = frozenset({Phase.SERVING_CONTRACTED.value})
+
+
 def rebalance_recorded(original: Any, manager: Any, *args: Any,
                        **kwargs: Any) -> Generator[Any, Any, Any]:
     """AROUND ``EPLBManager.rebalance`` (a generator): upstream's rebalance; when it installed
-    a layout, the EP size it was installed at is recorded."""
+    a layout, the EP size it was installed at is recorded. After a scale-down upstream would
+    skip every rebalance (it only knows its own settled phase): for the call, a settled
+    scale-down shows upstream's settled phase."""
     state = elastic_state() if elastic_ep_enabled() else None
     if state is None:
         return (yield from original(manager, *args, **kwargs))
     log = layout_log(state)
     before = log.updates
-    result = yield from original(manager, *args, **kwargs)
+    phase = state.scale_phase
+    settled_here = phase in SETTLED_HERE and state.pending_ep_size is None
+    if settled_here:
+        state.scale_phase = UPSTREAM_SETTLED
+    try:
+        result = yield from original(manager, *args, **kwargs)
+    finally:
+        if settled_here and state.scale_phase == UPSTREAM_SETTLED:
+            state.scale_phase = phase
     if log.updates != before:
         log.rebalanced(state.effective_ep_size)
     return result

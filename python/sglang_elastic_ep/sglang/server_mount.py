@@ -14,6 +14,7 @@ from typing import Any
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
 from sglang_elastic_ep.core.health import HealthConfig
 from sglang_elastic_ep.core.validation import ScaleTopology
+from sglang_elastic_ep.sglang.args import declared_max_ep_size
 from sglang_elastic_ep.sglang.background_pollers import (
     ExpertHealthPoller,
     StallWatch,
@@ -44,7 +45,7 @@ def topology_from_args(
         attn_dp = int(getattr(server_args, "attn_dp_size", None) or server_args.dp_size or 1)
         replica_size = max(1, ep_size // attn_dp)
     replica = int(replica_size)
-    max_ep = int(server_args.max_ep_size or ep_size)
+    max_ep = int(declared_max_ep_size(server_args) or ep_size)
     return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica), ep_size
 
 
