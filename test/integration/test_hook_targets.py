@@ -84,18 +84,17 @@ def test_a_deployment_launched_at_its_max_reserves_one_replica_to_grow_into() ->
 
     def capacity(**kw: object) -> tuple[int | None, int | None]:
         server_args = SimpleNamespace(elastic_ep_backend="mooncake", ep_join_mode=None,
-                                      elastic_ep_initial_size=None, enable_dp_attention=True,
-                                      **kw)
+                                      elastic_ep_initial_size=None, **kw)
         eep_args.reserve_room_to_grow(server_args)
         return server_args.max_ep_size, eep_args.declared_max_ep_size(server_args)
 
     # Launched at its max: one attention replica more inside, the declared max outside.
     assert capacity(max_ep_size=3, tp_size=3, dp_size=3) == (4, 3)
     assert capacity(max_ep_size=4, tp_size=4, dp_size=2) == (6, 4)  # replicas of 2 ranks
+    assert capacity(max_ep_size=3, tp_size=3, dp_size=1, attn_dp_size=3) == (4, 3)
     # Its scale joiner (launch size from --elastic-ep-initial-size) computes the same.
     joiner = SimpleNamespace(elastic_ep_backend="mooncake", ep_join_mode="scale",
-                             elastic_ep_initial_size=3, enable_dp_attention=True,
-                             max_ep_size=3, tp_size=1, dp_size=1)
+                             elastic_ep_initial_size=3, max_ep_size=3, tp_size=1, dp_size=1)
     eep_args.reserve_room_to_grow(joiner)
     assert (joiner.max_ep_size, eep_args.declared_max_ep_size(joiner)) == (4, 3)
     # Room to grow already, or not elastic: unchanged.

@@ -27,14 +27,18 @@ def test_a_failed_launch_rank_stays_masked() -> None:
     assert p2p_peers_mask([1, 0, 1], 0, 2) == [1, 0, 0]
 
 
-def test_the_update_sees_the_mask_and_the_state_is_restored(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    state = SimpleNamespace(active_ranks_cpu=torch.tensor([1, 1, 1], dtype=torch.int32),
+@pytest.fixture
+def state(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """Three active ranks after a scale-up from two, and the pinned Mooncake."""
+    found = SimpleNamespace(active_ranks_cpu=torch.tensor([1, 1, 1], dtype=torch.int32),
                             has_scaled=True, original_ep_size=2)
     monkeypatch.setattr(weight_transfers, "elastic_ep_enabled", lambda: True)
-    monkeypatch.setattr(weight_transfers, "elastic_state", lambda: state)
+    monkeypatch.setattr(weight_transfers, "elastic_state", lambda: found)
     monkeypatch.setattr(weight_transfers, "mooncake_p2p_reaches_joiners", lambda: False)
+    return found
+
+
+def test_the_update_sees_the_mask_and_the_state_is_restored(state: SimpleNamespace) -> None:
     seen: list[list[int]] = []
 
     def upstream(updater: object, *args: object, **kwargs: object) -> str:
@@ -48,12 +52,9 @@ def test_the_update_sees_the_mask_and_the_state_is_restored(
 
 
 def test_before_any_scale_or_with_a_fixed_mooncake_the_update_is_upstreams(
-    monkeypatch: pytest.MonkeyPatch,
+    state: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    state = SimpleNamespace(active_ranks_cpu=torch.tensor([1, 1, 1], dtype=torch.int32),
-                            has_scaled=False, original_ep_size=2)
-    monkeypatch.setattr(weight_transfers, "elastic_ep_enabled", lambda: True)
-    monkeypatch.setattr(weight_transfers, "elastic_state", lambda: state)
+    state.has_scaled = False
     seen: list[list[int]] = []
 
     def upstream(updater: object, *args: object, **kwargs: object) -> None:

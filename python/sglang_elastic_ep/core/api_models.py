@@ -135,6 +135,7 @@ class RejectionReason(str, enum.Enum):
     TOO_FEW_EXPERT_SLOTS = "too_few_expert_slots"
     FAILED_RANKS_PRESENT = "failed_ranks_present"
     MUST_REMOVE_FAILED_RANKS = "must_remove_failed_ranks"
+    RELEASED_LAUNCH_SLOTS = "released_launch_slots"
     OPERATION_IN_PROGRESS = "operation_in_progress"
     OPERATION_ID_REUSED = "operation_id_reused"
     INSTANCE_MISMATCH = "instance_mismatch"

@@ -169,8 +169,10 @@ def reserve_room_to_grow(server_args: Any) -> None:
         launch = getattr(server_args, "elastic_ep_initial_size", None) or tp
     if launch is None or int(launch) != int(declared):
         return
-    dp = int(getattr(server_args, "attn_dp_size", None) or getattr(server_args, "dp_size", 1)
-             or 1)
-    replica = tp // dp if getattr(server_args, "enable_dp_attention", False) else tp
+    # Before SGLang resolves the arguments, the attention-DP degree may still sit in dp_size
+    # (``--dp N --enable-dp-attention``) or already in attn_dp_size.
+    dp = max(int(getattr(server_args, "attn_dp_size", 1) or 1),
+             int(getattr(server_args, "dp_size", 1) or 1))
+    replica = tp // dp if tp % dp == 0 else tp
     server_args.eep_declared_max_ep_size = int(declared)
     server_args.max_ep_size = int(declared) + max(1, replica)

@@ -46,7 +46,8 @@ def topology_from_args(
         replica_size = max(1, ep_size // attn_dp)
     replica = int(replica_size)
     max_ep = int(declared_max_ep_size(server_args) or ep_size)
-    return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica), ep_size
+    return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica,
+                         launch_size=ep_size), ep_size
 
 
 def mount_on_server(result: Any, global_state: Any) -> None:

@@ -101,3 +101,23 @@ def test_failed_ranks_outside_current_size_are_ignored() -> None:
 def test_noop_is_allowed_even_with_failed_ranks() -> None:
     v = validate_scale(4, current_size=4, topology=TOPO, failed_ranks=[3])
     assert v.ok and v.direction is ScaleDirection.NOOP
+
+
+def test_growing_back_into_released_launch_slots_is_refused_with_the_way_back() -> None:
+    topology = ScaleTopology(max_ep_size=3, launch_size=3)
+    shrink = validate_scale(2, current_size=3, topology=topology)
+    assert shrink.ok and shrink.leaving_ranks == (2,)
+    assert "ranks [2] are launch-time slots" in shrink.message and "restart" in shrink.message
+    grow = validate_scale(3, current_size=2, topology=topology)
+    assert not grow.ok and grow.status == 409
+    assert grow.reason is RejectionReason.RELEASED_LAUNCH_SLOTS
+    assert "rank(s) [2] are launch-time slots" in grow.message
+    assert "restart of the deployment" in grow.message
+
+
+def test_slots_past_the_launch_size_come_and_go_freely() -> None:
+    topology = ScaleTopology(max_ep_size=4, launch_size=2)
+    shrink = validate_scale(2, current_size=4, topology=topology)
+    assert shrink.ok and "launch-time" not in shrink.message
+    grow = validate_scale(4, current_size=2, topology=topology)
+    assert grow.ok and grow.joining_ranks == (2, 3)
