@@ -34,12 +34,6 @@ def layout_log(state: Any) -> ExpertLayoutLog:
     return attached_state(state, "_elastic_ep_layout_log", ExpertLayoutLog)
 
 
-# Upstream rebalances after a scale only in its own settled phases; a scale-down (this
-# plugin's) settles in SERVING_CONTRACTED, which upstream does not know.
-UPSTREAM_SETTLED = "serving_expanded"
-SETTLED_HERE = frozenset({Phase.SERVING_CONTRACTED.value})
-
-
 def rebalance_recorded(original: Any, manager: Any, *args: Any,
                        **kwargs: Any) -> Generator[Any, Any, Any]:
     """AROUND ``EPLBManager.rebalance`` (a generator): upstream's rebalance; when it installed
@@ -51,15 +45,17 @@ def rebalance_recorded(original: Any, manager: Any, *args: Any,
         return (yield from original(manager, *args, **kwargs))
     log = layout_log(state)
     before = log.updates
-    phase = state.scale_phase
-    settled_here = phase in SETTLED_HERE and state.pending_ep_size is None
+    # Upstream rebalances after a scale only in its own settled phase (SERVING_EXPANDED); a
+    # scale-down (this plugin's) settles in SERVING_CONTRACTED, which upstream does not know.
+    settled_here = (state.scale_phase == Phase.SERVING_CONTRACTED.value
+                    and state.pending_ep_size is None)
     if settled_here:
-        state.scale_phase = UPSTREAM_SETTLED
+        state.scale_phase = Phase.SERVING_EXPANDED.value
     try:
         result = yield from original(manager, *args, **kwargs)
     finally:
-        if settled_here and state.scale_phase == UPSTREAM_SETTLED:
-            state.scale_phase = phase
+        if settled_here and state.scale_phase == Phase.SERVING_EXPANDED.value:
+            state.scale_phase = Phase.SERVING_CONTRACTED.value
     if log.updates != before:
         log.rebalanced(state.effective_ep_size)
     return result
