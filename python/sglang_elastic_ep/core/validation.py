@@ -19,7 +19,7 @@ Decisions:
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -85,9 +85,29 @@ def validate_scale(
     topology: ScaleTopology,
     failed_ranks: Iterable[int] = (),
 ) -> ScaleVerdict:
-    """Decide whether scaling from ``current_size`` to ``target`` may start now."""
+    """Decide whether scaling from ``current_size`` to ``target`` may start now. A refusal
+    names only sizes that would be accepted in the same state."""
     failed = frozenset(r for r in failed_ranks if 0 <= r < current_size)
+
+    def accepted(size: int) -> bool:
+        return size != current_size and _judge(size, current_size, topology, failed, None).ok
+
+    return _judge(target, current_size, topology, failed, accepted)
+
+
+def _judge(
+    target: int,
+    current_size: int,
+    topology: ScaleTopology,
+    failed: frozenset[int],
+    accepted: Callable[[int], bool] | None,
+) -> ScaleVerdict:
+    """The verdict; ``accepted`` (None while judging a hint itself) filters the sizes a
+    refusal suggests."""
     replica = topology.attn_replica_size
+
+    def first(sizes: Iterable[int]) -> int | None:
+        return next((s for s in sizes if accepted is not None and accepted(s)), None)
 
     if target < 1:
         return _refuse(
@@ -96,29 +116,36 @@ def validate_scale(
             f"new_ep_size must be at least 1 (got {target})",
         )
     if target > topology.max_ep_size:
+        largest = first(range(topology.max_ep_size, current_size, -1))
+        hint = (f"the largest size accepted now is {largest}; " if largest is not None
+                else "")
         return _refuse(
             HTTPStatus.BAD_REQUEST,
             RejectionReason.EXCEEDS_MAX_EP_SIZE,
             f"new_ep_size ({target}) exceeds --max-ep-size ({topology.max_ep_size}); "
-            f"ask for at most {topology.max_ep_size} or restart with a larger --max-ep-size",
+            f"{hint}restart with a larger --max-ep-size to go beyond it",
         )
     if target % replica:
         lower = target // replica * replica
-        upper = lower + replica
-        options = [str(s) for s in (lower, upper) if 1 <= s <= topology.max_ep_size]
+        options = [str(s) for s in (lower, lower + replica)
+                   if 1 <= s <= topology.max_ep_size and accepted is not None and accepted(s)]
+        example = f" (e.g. {' or '.join(options)})" if options else ""
         return _refuse(
             HTTPStatus.BAD_REQUEST,
             RejectionReason.INCOMPLETE_ATTENTION_REPLICA,
             f"new_ep_size ({target}) would leave an incomplete attention replica of "
-            f"{replica} ranks; use a multiple of {replica} (e.g. {' or '.join(options)})",
+            f"{replica} ranks; use a multiple of {replica}{example}",
         )
     if target < topology.min_ep_size:
+        smallest = first(range(topology.min_ep_size, current_size))
+        hint = (f"the smallest size accepted now is {smallest}" if smallest is not None
+                else f"keep {current_size} ranks (no smaller size is accepted now)")
         return _refuse(
             HTTPStatus.BAD_REQUEST,
             RejectionReason.TOO_FEW_EXPERT_SLOTS,
             f"new_ep_size ({target}) gives {target * (topology.slots_per_rank or 0)} expert "
-            f"slots for {topology.num_logical_experts} experts; scale down no lower than "
-            f"{topology.min_ep_size}",
+            f"slots for {topology.num_logical_experts} experts (at least "
+            f"{topology.min_ep_size} ranks are needed); {hint}",
         )
     if target == current_size:
         return ScaleVerdict(

@@ -196,7 +196,7 @@ def test_incomplete_attention_replica_is_400_with_neighbours() -> None:
     response = post(client, {"new_ep_size": 3})
     assert response.status_code == 400
     assert response.json()["reason"] == "incomplete_attention_replica"
-    assert "2 or 4" in response.json()["message"]
+    assert "(e.g. 4)" in response.json()["message"]  # 2 is the current size
     assert snapshot(client, plane, engine) == before
 
 

@@ -41,7 +41,7 @@ def test_incomplete_attention_replica_suggests_neighbours() -> None:
     topo = ScaleTopology(max_ep_size=8, attn_replica_size=2)
     v = validate_scale(5, current_size=4, topology=topo)
     assert v.status == 400 and v.reason is RejectionReason.INCOMPLETE_ATTENTION_REPLICA
-    assert "multiple of 2 (e.g. 4 or 6)" in v.message
+    assert "multiple of 2 (e.g. 6)" in v.message  # 4 is the current size: nothing to do
     assert validate_scale(6, current_size=4, topology=topo).ok
 
 
@@ -50,7 +50,7 @@ def test_expert_capacity_sets_the_minimum_size() -> None:
     assert topo.min_ep_size == 3
     v = validate_scale(2, current_size=4, topology=topo)
     assert v.status == 400 and v.reason is RejectionReason.TOO_FEW_EXPERT_SLOTS
-    assert "no lower than 3" in v.message
+    assert "at least 3 ranks are needed); the smallest size accepted now is 3" in v.message
     assert validate_scale(3, current_size=4, topology=topo).ok
 
 

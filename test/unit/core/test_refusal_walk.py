@@ -1,0 +1,73 @@
+"""Every refusal points to an action that works from that state.
+
+Walks the scale validator over reachable states (sizes of whole attention replicas that hold
+every expert, any one or two failed ranks, slots released below the launch size) and every
+target. A refusal that names a size to ask for instead must name one the same state accepts;
+one that tells the operator to recover ranks must be about a state with failed ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from sglang_elastic_ep.core.validation import ScaleTopology, validate_scale
+
+# "scale down to exactly 3", "scaling down to 3", "accepted now is 3", "(e.g. 4 or 6)"
+SUGGESTED = re.compile(r"\b(?:down to(?: exactly)?|accepted now is|e\.g\.|or) (\d+)")
+
+TOPOLOGIES = [
+    ScaleTopology(max_ep_size=max_size, attn_replica_size=replica,
+                  num_logical_experts=experts, slots_per_rank=slots, launch_size=launch)
+    for max_size, replica, launch, (experts, slots) in itertools.product(
+        (4, 6, 8), (1, 2), (2, 4), ((None, None), (16, 8), (16, 6)))
+    if max_size % replica == 0 and launch % replica == 0 and launch <= max_size
+]
+
+
+def states(topology: ScaleTopology) -> list[tuple[int, tuple[int, ...]]]:
+    """(current size, failed ranks) the cluster can be in."""
+    sizes = range(max(topology.min_ep_size, topology.attn_replica_size),
+                  topology.max_ep_size + 1, topology.attn_replica_size)
+    return [(size, failed) for size in sizes for k in (0, 1, 2)
+            for failed in itertools.combinations(range(size), k)]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=repr)
+def test_no_refusal_recommends_an_action_the_same_state_refuses(
+    topology: ScaleTopology,
+) -> None:
+    walked = 0
+    for current, failed in states(topology):
+        for target in range(0, topology.max_ep_size + 3):
+            verdict = validate_scale(target, current_size=current, topology=topology,
+                                     failed_ranks=failed)
+            if verdict.ok:
+                continue
+            walked += 1
+            for size in map(int, SUGGESTED.findall(verdict.message)):
+                again = validate_scale(size, current_size=current, topology=topology,
+                                       failed_ranks=failed)
+                assert again.ok, (current, failed, target, verdict.message, again.message)
+            if "recover" in verdict.message:
+                assert failed, (current, target, verdict.message)
+            assert verdict.message.strip(), (current, failed, target)
+    assert walked > 0
+
+
+def test_the_walk_sees_each_kind_of_suggestion() -> None:
+    """The pattern above still matches what the validator says (a renamed phrase would make
+    the walk check nothing)."""
+    topo = ScaleTopology(max_ep_size=8, attn_replica_size=2, num_logical_experts=16,
+                         slots_per_rank=4, launch_size=2)
+    messages = [
+        validate_scale(5, current_size=6, topology=topo).message,  # incomplete replica
+        validate_scale(2, current_size=6, topology=topo).message,  # too few expert slots
+        validate_scale(10, current_size=6, topology=topo).message,  # above the maximum
+        validate_scale(8, current_size=6, topology=topo, failed_ranks=[4, 5]).message,
+        validate_scale(4, current_size=8, topology=topo, failed_ranks=[6, 7]).message,
+    ]
+    for message in messages:
+        assert SUGGESTED.search(message), message
