@@ -394,10 +394,21 @@ class ElasticController:
             ))
         else:
             size = status.effective_ep_size
-            purpose = Purpose.GROW if verdict.target > size else Purpose.SHRINK
+            target = verdict.target
+            floor = self.config.first_own_rank
+            if target < size and target < floor:
+                # Launch-time slots cannot be refilled once released (joiners only take
+                # slots past the launch size): never shrink below them. (The policy shrinks
+                # one step at a time and the launch size is whole steps, so this is at it.)
+                holds.append(Hold(
+                    f"{verdict.reason}, but ranks below --launch-size {floor} cannot come "
+                    f"back once released: staying at {size}", verdict.inputs,
+                ))
+                return Decision(tuple(actions), tuple(holds))
+            purpose = Purpose.GROW if target > size else Purpose.SHRINK
             actions.append(self._scale(
-                verdict.target, purpose, now,
-                f"{purpose.value} {size} -> {verdict.target}: {verdict.reason}", verdict.inputs,
+                target, purpose, now,
+                f"{purpose.value} {size} -> {target}: {verdict.reason}", verdict.inputs,
             ))
         return Decision(tuple(actions), tuple(holds))
 
