@@ -92,8 +92,8 @@ def refusal(state: Any, new_ep_size: int) -> str | None:
     parallel = get_parallel()
     # Without the per-pass agreement the ranks could commit on different passes.
     if not lockstep_agreement_on(state, parallel):
-        return ("scale-down needs the per-pass rank agreement, which runs only with room to "
-                "grow (--max-ep-size above the launch size); not available on this deployment")
+        return ("scale-down needs the per-pass rank agreement, which runs only in a deployment "
+                "started with --max-ep-size (room to grow): restart with it to scale down")
     if not (dp_gather_every_pass(parallel) or membership_state_on_host(state)):
         return ("scale-down needs the per-pass rank agreement, which rides on the DP-attention "
                 "gather: start with --enable-dp-attention (and without "
