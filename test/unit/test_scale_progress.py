@@ -52,7 +52,8 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
 
     calls: list[str] = []
     state = SimpleNamespace(active_ranks=torch.ones(4, dtype=torch.int32),
-                            active_ranks_cpu=torch.tensor([1, 1, 0, 0], dtype=torch.int32))
+                            active_ranks_cpu=torch.tensor([1, 1, 0, 0], dtype=torch.int32),
+                            pending_ep_size=3, scale_phase="waiting_for_cohort", last_error=None)
     runner = SimpleNamespace(_elastic_ep_readiness_skew=SimpleNamespace(
         entered=lambda: calls.append("skew reset")),
         eplb_manager=SimpleNamespace(reset_generator=lambda: calls.append("eplb reset")))
@@ -91,6 +92,37 @@ def test_the_step_acts_on_this_passes_gathered_verdict_without_a_collective(
     step.agreement.mark_iteration()
     step.run()
     assert step.calls == expected  # no "all-reduce"
+
+
+def test_a_scale_up_failed_by_upstream_on_this_rank_alone_is_logged_by_it(
+    step: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    def upstream_fails_it() -> None:  # what ElasticEPStateManager.fail_scale leaves
+        step.state.pending_ep_size, step.state.scale_phase = None, "failed"
+        step.state.last_error = "Requested target EP size 3 does not match joining cohort target 4"
+
+    step.agreement.finish(round_of(LockstepVerdict.ENTER))
+    step.agreement.mark_iteration()
+    with caplog.at_level(logging.INFO):
+        step.run(upstream_fails_it)
+    assert "rank 0 enters the scale-up to 3 (joining [2]; verdict from the gather)" \
+        in caplog.text
+    assert "rank 0: the scale-up to 3 failed on this rank: Requested target EP size 3 does not " \
+        "match joining cohort target 4" in caplog.text
+
+
+def test_a_committed_scale_up_logs_no_failure(
+    step: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    def upstream_commits() -> None:
+        step.state.pending_ep_size, step.state.scale_phase = None, "serving_expanded"
+
+    step.agreement.finish(round_of(LockstepVerdict.ENTER))
+    step.agreement.mark_iteration()
+    with caplog.at_level(logging.INFO):
+        step.run(upstream_commits)
+    assert "enters the scale-up to 3" in caplog.text
+    assert "failed on this rank" not in caplog.text
 
 
 @pytest.mark.parametrize(("verdict", "again"), [

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_elastic_ep.core.agreement import LockstepVerdict, StepKind
+from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind
+from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import (
     agree_by_all_reduce,
@@ -123,6 +124,9 @@ def agreed_join_step(original: Any, runner: Any) -> None:
             # No gather on this pass, and the all-reduce fallback is for host memory only.
             return original(runner)
         agreed = agree_by_all_reduce(state, runner)
+        source = "all-reduce"
+    else:
+        source = "gather"
     if agreed.verdict is LockstepVerdict.WAIT:
         return None
     if agreed.verdict is LockstepVerdict.NOTHING_PENDING \
@@ -141,21 +145,30 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         if proposal.kind is StepKind.SHRINK:
             return finalize_scale_down(runner, proposal.target)
         if proposal.kind is StepKind.GROW:
-            return _grow(original, runner, state, proposal.target)
+            return _grow(original, runner, state, proposal, source)
     original(runner)
     tail_recovery.note_committed(state)
     return None
 
 
-def _grow(original: Any, runner: Any, state: Any, target: int) -> None:
-    """Upstream's admission and commit of the joiners, and which kind of join it was."""
+def _grow(original: Any, runner: Any, state: Any, proposal: Proposal, source: str) -> None:
+    """Upstream's admission and commit of the joiners, and which kind of join it was.
+
+    Each rank logs its entry and, if upstream's step failed the scale on it, why: upstream
+    reports a failure from attention-TP rank 0 only, so a rank that fails alone was silent."""
+    rank, target = proposal.rank, proposal.target
     joining = mirror_of(state).inactive_ranks(target)
+    logger.info("[elastic-ep] rank %d enters the scale-up to %d (joining %s; verdict from the %s)",
+                rank, target, joining, source)
     try:
         kind = slot_history(state).join_kind(joining)
     except ValueError as exc:  # a mix of old and new slots: upstream admits them all
         logger.warning("[elastic-ep] %s", exc)
         kind = None
     original(runner)
+    if state.pending_ep_size is None and state.scale_phase == Phase.FAILED.value:
+        logger.warning("[elastic-ep] rank %d: the scale-up to %d failed on this rank: %s",
+                       rank, target, state.last_error)
     tail_recovery.note_committed(state)
     joined = [r for r in joining if mirror_of(state).is_active(r)]
     if joined and kind is not None:

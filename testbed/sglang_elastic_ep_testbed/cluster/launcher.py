@@ -33,6 +33,11 @@ from sglang_elastic_ep_testbed.cpu.shared_host import ENV_SHARED_HOST_NODE
 CLUSTER_TAG_ENV = "SGLANG_EEP_CLUSTER_TAG"
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# Log lines every busy server writes many times a second; left out of failure reports.
+ROUTINE_LOG_LINE = re.compile(
+    r'"(POST /generate|GET /elastic_ep/status|GET /metrics|GET /health)|Prefill batch|'
+    r"Decode batch|Ignore import error|is ignored: it is neither")
 DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
 DERIVED_PORTS = 6  # SGLang's port_base + 0..5 (detokenizer, rpc, metrics, ...; server_args.py)
 JOINER_PORT_DELTA = 233  # a joiner's port_base is its --port + ZMQ_TCP_PORT_DELTA
@@ -180,6 +185,16 @@ class ServerProcess:
         # pip's noise about local index paths is not what a failing start needs to show
         text = [line for line in text if "is ignored: it is neither" not in line]
         return "\n".join(text[-lines:])
+
+    def log_events(self, lines: int = 60) -> str:
+        """The last ``lines`` log lines that are not routine serving (request, batch and poll
+        lines, import noise): what a failed scenario's report shows of each server."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        kept = [line[:400] for line in text if not ROUTINE_LOG_LINE.search(line)]
+        return "\n".join(kept[-lines:])
 
     def wait_ready(self, timeout_s: float, path: str = "/health_generate") -> None:
         """Return once ``path`` answers 200. Raises RuntimeError as soon as the process exits
@@ -473,5 +488,9 @@ class LocalCluster:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is not None and exc_type is not KeyboardInterrupt:
             # Printed, so pytest shows it with the failure (CI keeps no log directory).
+            for server in (self.primary, *self.followers.values(), *self.joiners):
+                if server is not None:
+                    print(f"===== {server.log_path.name}, less routine lines:\n"
+                          f"{server.log_events()}")
             print(self.dump_stacks(f"cluster torn down after {exc_type.__name__}"))
         self.stop()
