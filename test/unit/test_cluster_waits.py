@@ -110,3 +110,13 @@ def test_webhook_receiver_returns_what_came_on_success_and_on_timeout() -> None:
         httpx.post(hook.url, json={"type": "rank_failed"}, timeout=60)
         assert hook.wait_for(lambda got: len(got) == 1, 60) == [{"type": "rank_failed"}]
         assert hook.wait_for(lambda got: len(got) == 2, 0.05) == [{"type": "rank_failed"}]
+
+
+def test_webhook_receiver_drops_a_redelivered_event_as_receivers_are_told_to() -> None:
+    failed = {"type": "rank_failed", "event_id": 4, "instance_id": "a"}
+    with WebhookReceiver() as hook:
+        for event in (failed, failed, {**failed, "instance_id": "b"}, {**failed, "event_id": 5}):
+            assert httpx.post(hook.url, json=event, timeout=60).status_code == 204
+        got = hook.wait_for(lambda got: len(got) == 3, 60)
+        assert [(e["instance_id"], e["event_id"]) for e in got] == [("a", 4), ("b", 4), ("a", 5)]
+        assert hook.duplicates == 1

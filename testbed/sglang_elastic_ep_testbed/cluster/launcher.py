@@ -96,6 +96,9 @@ def base_server_args(spec: ClusterSpec, port: int) -> list[str]:
         "--cuda-graph-backend-decode", "disabled",
         "--cuda-graph-backend-prefill", "disabled",
         "--skip-server-warmup",
+        # A stuck scheduler stays alive until the scenario's own wait gives up, so the failure
+        # report shows its stack (SGLang's 300 s watchdog would kill the server first).
+        "--watchdog-timeout", "1800",
     ]
     if spec.ep_size > 1 or spec.max_ep_size:
         args += [

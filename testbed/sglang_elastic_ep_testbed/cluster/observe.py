@@ -151,16 +151,31 @@ def metric(url: str, name: str) -> float | None:
 
 
 class WebhookReceiver:
-    """A local HTTP endpoint (``--elastic-ep-webhook-url``) recording the JSON events posted."""
+    """A local HTTP endpoint (``--elastic-ep-webhook-url``) recording the JSON events posted.
+
+    Delivery is at least once (a retry after an answer the sender did not see in time delivers
+    an event twice), so it de-duplicates on (instance id, event id) as docs/api.md tells
+    receivers to; ``duplicates`` counts what it dropped."""
 
     def __init__(self) -> None:
         received: list[dict] = []
+        seen: set[tuple[str, int]] = set()
         self.received = received
+        self.duplicates = 0
+        lock = threading.Lock()
+        receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                received.append(json.loads(body))
+                event = json.loads(body)
+                key = (str(event.get("instance_id")), int(event.get("event_id", -1)))
+                with lock:
+                    if key in seen:
+                        receiver.duplicates += 1
+                    else:
+                        seen.add(key)
+                        received.append(event)
                 self.send_response(204)
                 self.end_headers()
 
