@@ -84,6 +84,10 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.eplb_spread:rebalance_experts_spread", "AROUND",
          "--elastic-ep-expert-min-ranks: every EPLB layout keeps each expert on that many "
          "ranks, so a rank fault leaves every expert served"),
+    Hook(f"{S}eplb.eplb_algorithms.elasticity_aware.rebalance_experts",
+         "sglang.eplb_spread:elasticity_aware_over_layout_ranks", "AROUND",
+         "upstream adds an empty rank per inactive entry of active_ranks (sized to "
+         "--max-ep-size): a layout wider than the world kills the scheduler after a fault"),
     Hook(f"{S}eplb.expert_location._compute_elastic_expert_layout",
          "sglang.layout_checks:elastic_expert_layout", "AROUND",
          "experts that do not split over the launch ranks: a startup error naming the "

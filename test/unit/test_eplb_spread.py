@@ -43,3 +43,20 @@ def test_without_elastic_ep_the_layout_is_upstreams(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(eplb_spread, "elastic_ep_enabled", lambda: False)
     phy2log, _, _ = eplb_spread.rebalance_experts_spread(upstream_layout)
     assert phy2log.tolist() == [HALVES, HALVES]
+
+
+def test_a_down_ranks_slots_stay_and_the_spread_uses_the_live_ranks() -> None:
+    # 3 ranks x 4 slots, 4 experts; rank 1 is down and upstream filled its slots with expert 0.
+    row = [0, 1, 2, 3, 0, 0, 0, 0, 0, 1, 2, 3]
+    spread = eplb_spread.spread_over_ranks(row, [0, 2], 4, 2, 4)
+    assert spread[4:8] == [0, 0, 0, 0]
+    for expert in range(4):
+        assert {s // 4 for s, e in enumerate(spread) if e == expert and s // 4 != 1} == {0, 2}
+
+
+def test_live_layout_ranks_reads_the_active_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = type("State", (), {"active_ranks": torch.tensor([1, 0, 1, 0])})()
+    monkeypatch.setattr(eplb_spread, "elastic_state", lambda: state)
+    assert eplb_spread.live_layout_ranks(3) == [0, 2]
+    monkeypatch.setattr(eplb_spread, "elastic_state", lambda: None)
+    assert eplb_spread.live_layout_ranks(3) == [0, 1, 2]
