@@ -1,0 +1,75 @@
+"""Phase plans (test/plans/*.json): each step's change is derived from the sets, and what the
+plugin does not do is refused before a cluster starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sglang_elastic_ep_testbed.cluster.plans import PlanError, load_plan, plan_spec, steps_of
+
+PLANS = sorted((Path(__file__).parents[1] / "plans").glob("*.json"))
+
+
+def kinds(plan: list[list[int]]) -> list[tuple[str, list[int], list[int], list[int]]]:
+    return [(s.kind, list(s.ranks), list(s.active), list(s.failed)) for s in steps_of(plan)]
+
+
+def test_the_suites_plans_exist_and_parse() -> None:
+    assert PLANS, "test/plans/ holds no plan"
+    for path in PLANS:
+        assert load_plan(path)[0].kind == "launch", path
+
+
+def test_grow_kill_the_joiner_recover_and_shrink() -> None:
+    assert kinds([[0, 1], [0, 1, 2], [0, 1, -2], [0, 1, 2], [0, 1]]) == [
+        ("launch", [0, 1], [0, 1], []),
+        ("grow", [2], [0, 1, 2], []),
+        ("kill", [2], [0, 1], [2]),
+        ("recover", [2], [0, 1, 2], []),
+        ("shrink", [2], [0, 1], []),
+    ]
+
+
+def test_two_ranks_killed_at_once_and_a_stay_step_keeps_them_failed() -> None:
+    assert kinds([[0, 1, 2], [0, -1, -2], [0], [0, 1, 2]])[1:] == [
+        ("kill", [1, 2], [0], [1, 2]),
+        ("stay", [], [0], [1, 2]),
+        ("recover", [1, 2], [0, 1, 2], []),
+    ]
+
+
+def test_a_plan_killing_a_launch_rank_gets_one_node_per_rank(tmp_path: Path) -> None:
+    assert plan_spec(tmp_path, steps_of([[0, 1], [0, -1], [0, 1]])).nodes == 2
+    assert plan_spec(tmp_path, steps_of([[0, 1], [0, 1, 2], [0, 1]])).nodes == 1
+
+
+@pytest.mark.parametrize(("plan", "reason"), [
+    ([[0, 1]], "at least two"),
+    ([[0, 1], "x"], "not a list of rank numbers"),
+    ([[0, 1], [0, 1, 1]], "twice"),
+    ([[1, 2], [1, 2, 3]], "launch set"),
+    ([[0], [0, 1]], "launch set"),
+    ([[0, 1], [1]], "rank 0 must stay active"),
+    ([[0, 1], [0, -2]], "only active ranks can be killed"),
+    ([[0, 1, 2], [0, -1]], "a kill step only kills"),
+    ([[0, 1], [0, 1, 2], [0, -1, 2]], "recovery is not built"),
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3]], "tail"),
+    ([[0, 1], [0, 1, 2], [0, 1]], None),
+    ([[0, 1], [0, 2]], "one change per step"),
+    ([[0, 1, 2], [0, -1, 2], [0, 1, 2, 3]], "recover [1] first"),
+    ([[0, 1, 2], [0, 1, -2], [0, 1, 2, 3]], "recover [2] first"),
+    ([[0, 1, 2], [0, 1, -2], [0, 1]], None),
+    ([[0, 1, 2], [0, 1, -2], [0]], "failed: recover them first"),
+    ([[0, 1], [0, 1, 3]], "next free slots"),
+    ([[0, 1, 2], [0, 2]], "removes the tail"),
+    ([[0, 1], [0]], "two ranks"),
+])
+def test_bad_or_unsupported_plans_are_refused_with_the_reason(plan: object,
+                                                              reason: str | None) -> None:
+    if reason is None:
+        steps_of(plan)
+        return
+    with pytest.raises(PlanError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        steps_of(plan)

@@ -1,0 +1,321 @@
+"""Phase plans: a scenario as data, run on the CPU cluster under load.
+
+A plan is a JSON list of active-rank sets, the format of NIXL EP's elastic tests: the first is
+the launch set, each later one the set after one step, and a negative number is that rank
+killed with SIGKILL at that step. ``[[0, 1], [0, 1, 2], [0, 1, -2], [0, 1, 2], [0, 1]]`` grows
+to 3, kills the joiner, brings its replacement in, and shrinks back to 2.
+
+Each step is one change, derived from the sets (:func:`steps_of`): ``kill`` (the negative
+ranks), ``recover`` (failed ranks come back: relaunched with ``--ep-join-mode recover``),
+``grow`` (the next free slots: one joiner each, then ``POST /scale_elastic_ep``), ``shrink``
+(the tail: ``POST /scale_elastic_ep``; the released servers exit 0). What the plugin does not
+do yet is refused before the cluster starts, with the reason: a launch-time rank killed after
+a scale (upstream answers ``recovery_unsupported``), a removal other than the tail, a killed
+rank 0 (it hosts the HTTP server), growing while ranks are failed.
+
+After every step the runner checks what an orchestrator would: the status shows exactly the
+step's set active (killed ranks ``failed``, everything else inactive) and every active shard
+serves the load again. At the end: no request failed except those a killed rank was running
+(503 with a message, started before the fault was seen), and every completed request decoded
+the reference tokens.
+
+``python -m sglang_elastic_ep_testbed.cluster.plans test/plans/FILE.json`` runs one plan on a
+fresh cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from sglang_elastic_ep_testbed.cluster.launcher import ClusterSpec, LocalCluster, ServerProcess
+from sglang_elastic_ep_testbed.cluster.load import LoadClient, RequestResult, greedy_reference
+from sglang_elastic_ep_testbed.cluster.observe import (
+    post_scale,
+    wait_each_shard_serves,
+    wait_operation,
+    wait_status,
+)
+
+StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "stay"]
+
+
+class PlanError(ValueError):
+    """A plan that is malformed or asks for a change the plugin does not make."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One entry of a plan: the change it makes and the state it must end in."""
+
+    index: int
+    kind: StepKind
+    ranks: tuple[int, ...]  # the ranks the change concerns (killed, recovered, added, removed)
+    active: tuple[int, ...]  # active after the step
+    failed: tuple[int, ...]  # killed and not yet recovered after the step
+
+
+def load_plan(path: Path) -> list[Step]:
+    """The steps of the plan in ``path`` (JSON); ``PlanError`` names what is wrong."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"{path}: not a readable JSON plan: {exc}") from None
+    return steps_of(data)
+
+
+def steps_of(plan: object) -> list[Step]:
+    """Validate ``plan`` (a list of rank lists) and derive each step's change."""
+    if not isinstance(plan, list) or len(plan) < 2:
+        raise PlanError("a plan is a list of at least two active-rank sets")
+    sets = []
+    for i, entry in enumerate(plan):
+        if not isinstance(entry, list) or not all(type(r) is int for r in entry):
+            raise PlanError(f"step {i}: {entry!r} is not a list of rank numbers")
+        if len({abs(r) for r in entry}) != len(entry):
+            raise PlanError(f"step {i}: {entry} names a rank twice")
+        sets.append(entry)
+    launch = sorted(sets[0])
+    if launch != list(range(len(launch))) or len(launch) < 2:
+        raise PlanError(f"step 0: the launch set must be ranks 0..n-1 with n >= 2, got {sets[0]}")
+    steps = [Step(0, "launch", tuple(launch), tuple(launch), ())]
+    scaled = False
+    for i, entry in enumerate(sets[1:], start=1):
+        prev = steps[-1]
+        step = _step(i, entry, prev, len(launch), scaled)
+        scaled = scaled or step.kind in ("grow", "shrink")
+        steps.append(step)
+    return steps
+
+
+def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) -> Step:
+    killed = sorted(-r for r in entry if r < 0)
+    active = sorted(r for r in entry if r >= 0)
+    before, failed = set(prev.active), set(prev.failed)
+    if 0 not in active:  # -0 is 0: rank 0 cannot even be written as killed
+        raise PlanError(f"step {i}: rank 0 must stay active (it hosts the HTTP server)")
+    if killed:
+        if not set(killed) <= before:
+            raise PlanError(f"step {i}: only active ranks can be killed; {killed} vs {prev.active}")
+        if set(active) != before - set(killed):
+            raise PlanError(f"step {i}: a kill step only kills: expected the others "
+                            f"{sorted(before - set(killed))} active, got {active}")
+        launch_killed = [r for r in killed if r < launch_size]
+        if launch_killed and scaled:
+            raise PlanError(f"step {i}: launch-time ranks {launch_killed} killed after a scale: "
+                            "their recovery is not built (upstream answers recovery_unsupported)")
+        joiners = [r for r in killed if r >= launch_size]
+        if joiners and joiners != list(range(max(before) + 1 - len(joiners), max(before) + 1)):
+            raise PlanError(f"step {i}: killed joiners {joiners} must be the active set's tail")
+        return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))))
+    added, removed = sorted(set(active) - before), sorted(before - set(active))
+    if added and removed:
+        raise PlanError(f"step {i}: one change per step; {added} added and {removed} removed")
+    if added:
+        back = [r for r in added if r in failed]
+        if back:
+            if back != added:
+                raise PlanError(f"step {i}: recover {back} first, then grow by "
+                                f"{sorted(set(added) - failed)}")
+            return Step(i, "recover", tuple(back), tuple(active), tuple(sorted(failed - set(back))))
+        if failed:
+            raise PlanError(f"step {i}: ranks {sorted(failed)} are failed: recover them first")
+        if active != list(range(len(active))):
+            raise PlanError(f"step {i}: a scale-up adds the next free slots "
+                            f"{list(range(len(before), len(active)))}, not {added}")
+        return Step(i, "grow", tuple(added), tuple(active), ())
+    if removed:
+        if failed:
+            raise PlanError(f"step {i}: ranks {sorted(failed)} are failed: recover them first")
+        if active != list(range(len(active))):
+            raise PlanError(f"step {i}: a scale-down removes the tail; {removed} is not "
+                            "(rank-explicit removal is not built)")
+        if len(active) < 2:
+            raise PlanError(f"step {i}: attention DP needs two ranks; cannot shrink to "
+                            f"{len(active)}")
+        return Step(i, "shrink", tuple(removed), tuple(active), ())
+    return Step(i, "stay", (), tuple(active), tuple(sorted(failed)))
+
+
+def plan_spec(tiny_model: Path, steps: Sequence[Step], max_ep_size: int = 4,
+              extra_args: Sequence[str] = ()) -> ClusterSpec:
+    """A cluster for ``steps``: NIXL EP, every expert also on another rank (outputs stay
+    identical while a rank is down); one node per launch rank when the plan kills a
+    launch-time rank (it then dies and comes back alone), else one server."""
+    launch = len(steps[0].active)
+    kills_launch_rank = any(s.kind == "kill" and min(s.ranks) < launch for s in steps)
+    return ClusterSpec(
+        tiny_model, ep_size=launch, max_ep_size=max_ep_size, moe_a2a_backend="nixl",
+        nodes=launch if kills_launch_rank else 1,
+        extra_args=["--ep-num-redundant-experts", "16", *extra_args],
+    )
+
+
+FAULT_SEEN_S = 90
+CHANGE_S = 420  # a joiner or replacement starting beside the ranks on two busy cores
+SERVES_S = 180  # for every active shard to serve after a change
+
+
+@dataclass
+class PlanRunner:
+    """Drives ``cluster`` (started for the plan's launch set) through ``steps`` under ``load``.
+
+    ``after_step(step, status)`` runs once each step is checked (scenario-specific checks)."""
+
+    cluster: LocalCluster
+    steps: Sequence[Step]
+    load: LoadClient
+    after_step: Callable[[Step, dict], None] | None = None
+    reference: dict[str, list[int]] = field(default_factory=dict)  # prompt -> greedy tokens
+    joiners: dict[int, ServerProcess] = field(default_factory=dict)  # rank -> its server
+    kills: list[float] = field(default_factory=list)  # monotonic times of the kill steps
+
+    def run(self) -> None:
+        for step in self.steps[1:]:
+            print(f"[plan] step {step.index}: {step.kind} {list(step.ranks)} -> active "
+                  f"{list(step.active)}", flush=True)
+            getattr(self, f"_{step.kind}")(step)
+            current = self.check(step)
+            if self.after_step is not None:
+                self.after_step(step, current)
+
+    def _server_of(self, rank: int) -> ServerProcess | None:
+        """The server process of ``rank`` alone: a joiner or a node; None for the primary's."""
+        if rank in self.joiners:
+            return self.joiners[rank]
+        return self.cluster.followers.get(rank)
+
+    def _own_server(self, rank: int) -> ServerProcess:
+        server = self._server_of(rank)
+        if server is None:
+            raise PlanError(f"rank {rank} runs inside the primary server: it cannot be killed "
+                            "alone (launch with one node per rank)")
+        return server
+
+    def _kill(self, step: Step) -> None:
+        self.kills.append(time.monotonic())
+        for rank in step.ranks:
+            self.cluster.kill_server(self._own_server(rank))
+
+    def _recover(self, step: Step) -> None:
+        launch = len(self.steps[0].active)
+        for rank in step.ranks:
+            if rank < launch:
+                self.cluster.start_node(rank, recover=True)
+            else:
+                self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
+            self._wait_state(rank, "active", CHANGE_S)
+
+    def _grow(self, step: Step) -> None:
+        for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
+            self.joiners[rank] = self.cluster.start_joiner("scale", rank_offset=rank)
+            self._scale(rank + 1, f"plan-{step.index}-grow-{rank}")
+
+    def _shrink(self, step: Step) -> None:
+        self._scale(len(step.active), f"plan-{step.index}-shrink")
+        for rank in step.ranks:
+            server = self._server_of(rank)
+            if server is None:  # a launch rank of the primary's own tree parks
+                continue
+            code = server.wait_exit(SERVES_S)
+            if code != 0:
+                raise AssertionError(f"released rank {rank}'s server {server.name} exited with "
+                                     f"{code}, not 0")
+            self.joiners.pop(rank, None)
+
+    def _stay(self, step: Step) -> None:
+        pass
+
+    def _scale(self, size: int, operation_id: str) -> None:
+        post_scale(self.cluster.url, size, operation_id)
+        done = wait_operation(self.cluster.url, operation_id, CHANGE_S)
+        if done["result"] != "succeeded":
+            raise AssertionError(f"scale to {size} ({operation_id}) did not succeed: {done}")
+
+    def _wait_state(self, rank: int, state: str, timeout_s: float) -> dict:
+        return wait_status(self.cluster.url,
+                           lambda s: s if s["ranks"][rank]["state"] == state else None,
+                           timeout_s, f"rank {rank} {state}")
+
+    def check(self, step: Step) -> dict:
+        """The status shows exactly ``step``'s active and failed ranks; every active shard
+        serves the load. The status then."""
+        def matches(current: dict) -> dict | None:
+            states = {r["rank"]: r["state"] for r in current["ranks"]}
+            active = sorted(r for r, s in states.items() if s == "active")
+            failed = sorted(r for r, s in states.items() if s == "failed")
+            return current if (active, failed) == (list(step.active), list(step.failed)) \
+                else None
+
+        timeout = FAULT_SEEN_S if step.kind == "kill" else CHANGE_S
+        current = wait_status(self.cluster.url, matches, timeout,
+                              f"step {step.index}: active {list(step.active)}, failed "
+                              f"{list(step.failed)}")
+        # A joiner's and a node's responses carry no dp_rank: their schedulers' logs show it.
+        servers = {r: self._server_of(r) for r in step.active}
+        logs = {r: server.log_path for r, server in servers.items() if server is not None}
+        wait_each_shard_serves(self.load, list(step.active), SERVES_S, logs=logs)
+        return current
+
+
+def assert_only_killed_requests_lost(results: Sequence[RequestResult], kills: Sequence[float],
+                                     reference: dict[str, list[int]]) -> None:
+    """No request failed except what a killed rank was running (503 naming it, started before
+    the fault was seen), at most the load's concurrency per kill; every completed request
+    decoded the reference tokens."""
+    lost = [r for r in results if not r.ok]
+    for r in lost:
+        assert r.status == 503 and "failed before it finished" in (r.error or ""), r
+        assert any(r.started < k + FAULT_SEEN_S for k in kills), r
+    assert len(lost) <= 2 * len(kills), f"more requests lost than were in flight: {lost}"
+    changed = [r for r in results if r.ok and r.output_ids != reference[r.prompt]]
+    assert not changed, f"outputs changed: {changed[:3]}"
+    assert any(r.ok for r in results), "no request completed"
+
+
+def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int = 2,
+             after_step: Callable[[Step, dict], None] | None = None) -> PlanRunner:
+    """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
+    runner (its reference outputs, kills and joiners) for further checks."""
+    reference = greedy_reference(cluster.url)
+    load = LoadClient(cluster.url, concurrency=concurrency, max_new_tokens=8).start()
+    runner = PlanRunner(cluster, steps, load, after_step, reference)
+    try:
+        runner.check(steps[0])
+        runner.run()
+    finally:
+        results = load.stop()
+    assert_only_killed_requests_lost(results, runner.kills, reference)
+    return runner
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("plan", type=Path, help="a JSON plan (test/plans/*.json)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model directory (default: the testbed's tiny model)")
+    parser.add_argument("--max-ep-size", type=int, default=4)
+    args = parser.parse_args(argv)
+    try:
+        steps = load_plan(args.plan)
+    except PlanError as exc:
+        print(f"plan refused: {exc}", file=sys.stderr)
+        return 2
+    if args.model is None:
+        from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model
+
+        args.model = write_tiny_model(DEFAULT_DIR)
+    with LocalCluster(plan_spec(args.model, steps, args.max_ep_size)) as cluster:
+        run_plan(cluster, steps)
+    print(f"[plan] {args.plan}: every step checked", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
