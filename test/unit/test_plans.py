@@ -73,3 +73,16 @@ def test_bad_or_unsupported_plans_are_refused_with_the_reason(plan: object,
         return
     with pytest.raises(PlanError, match=reason.replace("[", r"\[").replace("]", r"\]")):
         steps_of(plan)
+
+
+def test_the_cli_refuses_a_plan_before_starting_anything(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    from sglang_elastic_ep_testbed.cluster import plans
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("[[0, 1], [0, 1, 2], [0, -1, 2]]")
+    assert plans.main([str(bad)]) == 2
+    assert "recovery is not built" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text("[[0, 1],")
+    assert plans.main([str(tmp_path / "broken.json")]) == 2
+    assert "not a readable JSON plan" in capsys.readouterr().err

@@ -1,0 +1,132 @@
+"""Soak: N cycles of 2 -> 3 -> 2 under steady load on one CPU cluster; after each cycle, what
+the staying ranks hold (RSS per rank, open fds, threads, listening ports of the primary's
+processes, shared-memory segments) and the request latency p50 / p99 of the cycle.
+
+Each cycle launches a scale joiner for rank 2, POSTs 3, waits for the commit, POSTs 2 and waits
+for the joiner's server to exit 0. Nothing may grow cycle over cycle: the section states the
+growth from the first cycle to the last and the largest step between two cycles. Writes
+docs/benchmarks.md section ``soak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import section_head, write_section  # noqa: E402
+from _scenario import grow_by_joiner, operation_succeeded, tiny_spec  # noqa: E402
+
+from sglang_elastic_ep_testbed.cluster import LoadClient, LocalCluster  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.observe import post_scale  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.procs import process_tree  # noqa: E402
+
+SHM = Path("/dev/shm")
+
+
+def held(cluster: LocalCluster) -> dict[str, float]:
+    """What the primary's processes hold now: RSS (MiB) of each rank's scheduler, fds,
+    threads and listening ports over its whole tree, and /dev/shm entries."""
+    assert cluster.primary is not None
+    out: dict[str, float] = {}
+    for rank, pid in sorted(cluster.primary.scheduler_pids().items()):
+        out[f"rss_rank{rank}_mib"] = psutil.Process(pid).memory_info().rss / 2**20
+    fds = threads = 0
+    ports: set[int] = set()
+    for proc in process_tree(cluster.primary.pid):
+        try:
+            fds += proc.num_fds()
+            threads += proc.num_threads()
+            ports |= {c.laddr.port for c in proc.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    out.update(fds=fds, threads=threads, listening_ports=len(ports),
+               shm_segments=len(list(SHM.iterdir())) if SHM.exists() else 0)
+    return out
+
+
+def latency_ms(load: LoadClient, since: float, until: float) -> tuple[float, float]:
+    """p50 and p99 (ms) of the requests that completed in [since, until)."""
+    done = sorted((r.finished - r.started) * 1000 for r in load.snapshot()
+                  if r.ok and since <= r.finished < until)
+    if not done:
+        return float("nan"), float("nan")
+    p99 = statistics.quantiles(done, n=100)[98] if len(done) > 1 else done[0]
+    return statistics.median(done), p99
+
+
+def run(cycles: int, settle_s: float) -> tuple[list[dict[str, float]], int, int]:
+    """The per-cycle figures (cycle 0: before the first), requests and failed requests."""
+    rows: list[dict[str, float]] = []
+    with LocalCluster(tiny_spec()) as cluster:
+        load = LoadClient(cluster.url, concurrency=2, max_new_tokens=8).start()
+        try:
+            time.sleep(settle_s)
+            start = time.monotonic()
+            rows.append({"cycle": 0, **held(cluster), **dict(zip(
+                ("p50_ms", "p99_ms"), latency_ms(load, 0.0, start), strict=True))})
+            for cycle in range(1, cycles + 1):
+                joiner = grow_by_joiner(cluster, f"soak-{cycle}-grow")
+                post_scale(cluster.url, 2, f"soak-{cycle}-shrink")
+                operation_succeeded(cluster.url, f"soak-{cycle}-shrink", 420)
+                code = joiner.wait_exit(120)
+                if code != 0:
+                    raise RuntimeError(f"cycle {cycle}: the joiner exited with {code}, not 0")
+                time.sleep(settle_s)  # released resources are let go asynchronously
+                end = time.monotonic()
+                p50, p99 = latency_ms(load, start, end)
+                rows.append({"cycle": cycle, **held(cluster), "p50_ms": p50, "p99_ms": p99})
+                print(rows[-1], flush=True)
+                start = end
+        finally:
+            results = load.stop()
+    return rows, len(results), sum(not r.ok for r in results)
+
+
+def growth(rows: list[dict[str, float]], key: str) -> tuple[float, float]:
+    """From cycle 1 to the last, and the largest rise between consecutive cycles from 1 on
+    (cycle 0, before any scale, has not loaded what the first joiner brings)."""
+    values = [r[key] for r in rows[1:]]
+    steps = [b - a for a, b in zip(values, values[1:], strict=False)] or [0.0]
+    return values[-1] - values[0], max(steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--settle-seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    rows, requests, failed = run(args.cycles, args.settle_seconds)
+    keys = [k for k in rows[0] if k != "cycle"]
+    lines = [
+        *section_head(f"Soak: {args.cycles} cycles of 2 -> 3 -> 2 under load",
+                      "A 2-rank primary (`--moe-a2a-backend nixl`, `--max-ep-size 4`), 2 "
+                      "clients sending 8-token greedy requests back to back throughout; each "
+                      "cycle a scale joiner for rank 2, `new_ep_size: 3`, then `2` (the joiner "
+                      "exits 0). Measured after each cycle and `--settle-seconds`; cycle 0 is "
+                      "before the first."),
+        "| cycle | " + " | ".join(keys) + " |",
+        "|---:|" + "---:|" * len(keys),
+    ]
+    for row in rows:
+        lines.append(f"| {int(row['cycle'])} | "
+                     + " | ".join(f"{row[k]:.0f}" for k in keys) + " |")
+    lines += ["", "| held by the staying ranks | cycle 1 -> last | largest rise between two "
+              "cycles |", "|---|---:|---:|"]
+    for key in keys:
+        if key.endswith("_ms"):
+            continue
+        total, step = growth(rows, key)
+        lines.append(f"| {key} | {total:+.0f} | {step:+.0f} |")
+    lines += ["", f"{requests} requests, {failed} failed."]
+    write_section("soak", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
