@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_elastic_ep.core.agreement import GatheredRound, LockstepVerdict, Proposal
+from sglang_elastic_ep.sglang.upstream import attached_state
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +93,6 @@ AGREEMENT_ATTR = "_elastic_ep_gather_agreement"
 def gather_agreement(state: Any) -> GatherAgreement:
     """The agreement kept on upstream's per-process ``ElasticEPState`` ``state``; built on first
     use."""
-    agreement = getattr(state, AGREEMENT_ATTR, None)
-    if agreement is None:
-        agreement = GatherAgreement()
-        setattr(state, AGREEMENT_ATTR, agreement)
-    return agreement
+    return attached_state(state, AGREEMENT_ATTR, GatherAgreement)
 
 
