@@ -5,13 +5,8 @@ active ranks, with a per-token flag for tokens that lost an expert entirely. It 
 kernel on CUDA tensors and the torch reference (``select_physical_experts_reference``) elsewhere.
 """
 
-from .expert_select import (
-    build_replica_table,
-    select_physical_experts,
-    select_physical_experts_reference,
-    token_hash,
-    triton_available,
-)
+from .expert_select import build_replica_table, select_physical_experts, triton_available
+from .expert_select_reference import select_physical_experts_reference, token_hash
 
 __all__ = [
     "build_replica_table",

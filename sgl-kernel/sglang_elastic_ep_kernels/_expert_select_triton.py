@@ -15,13 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .expert_select import (
+from .expert_select_reference import (
     HASH_K,
     HASH_M1,
     HASH_M2,
     HASH_SEED,
     HASH_T,
-    _check_inputs,
+    check_inputs,
     select_physical_experts_reference,
 )
 
@@ -146,7 +146,7 @@ def select_physical_experts_triton(
     ``block_t`` (tokens per program, a power of two) and ``num_warps`` are tuning knobs for the
     benchmark's sweep; the defaults come from it.
     """
-    _check_inputs(topk_ids, replica_table, replica_counts, slot_to_rank, active_mask)
+    check_inputs(topk_ids, replica_table, replica_counts, slot_to_rank, active_mask)
     num_tokens, top_k = topk_ids.shape
     num_logical, r_max = replica_table.shape
     if out is None:
