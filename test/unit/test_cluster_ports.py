@@ -6,7 +6,13 @@ import socket
 
 import pytest
 
-from sglang_elastic_ep_testbed.cluster.procs import free_port_run, port_is_free
+from sglang_elastic_ep_testbed.cluster.procs import (
+    free_port,
+    free_port_run,
+    free_ports,
+    listen_ports,
+    port_is_free,
+)
 
 
 def test_a_port_run_is_free_and_avoids_the_taken_ports() -> None:
@@ -29,3 +35,14 @@ def test_a_busy_port_is_not_free() -> None:
 def test_no_run_found_says_so() -> None:
     with pytest.raises(RuntimeError, match="no free port"):
         free_port_run(1, offset=70000, attempts=3)
+
+
+def test_ports_and_their_derived_runs_stay_below_the_ephemeral_range() -> None:
+    ports = listen_ports()
+    if not ports:
+        pytest.skip("the kernel's ephemeral range starts too low to pick ports below it")
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    joiner = free_port_run(7, offset=233)
+    picked = [free_port(), *free_ports(3), free_port_run(7), joiner]
+    assert all(ports.start <= p < low for p in picked), (picked, low)
+    assert joiner + 233 + 6 < low

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from sglang_elastic_ep.controller.launchers.ports import DERIVED_PORTS, JOINER_PORT_DELTA
 from sglang_elastic_ep_testbed.cluster.procs import (
     dump_stacks,
     free_port_run,
@@ -39,8 +40,6 @@ ROUTINE_LOG_LINE = re.compile(
     r'"(POST /generate|GET /elastic_ep/status|GET /metrics|GET /health)|Prefill batch|'
     r"Decode batch|Ignore import error|is ignored: it is neither")
 DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
-DERIVED_PORTS = 6  # SGLang's port_base + 0..5 (detokenizer, rpc, metrics, ...; server_args.py)
-JOINER_PORT_DELTA = 233  # a joiner's port_base is its --port + ZMQ_TCP_PORT_DELTA
 
 # Settings every CPU server gets: the CPU engine, UCX on loopback for NIXL, unbuffered logs.
 CPU_ENV = {

@@ -16,41 +16,12 @@ from typing import Any
 
 import psutil
 
+# The cluster's ports come from the controller's picker (below the ephemeral range).
+from sglang_elastic_ep.controller.launchers.ports import bind_free, listen_ports
+from sglang_elastic_ep.controller.launchers.ports import free_port as free_port
+from sglang_elastic_ep.controller.launchers.ports import free_port_run as free_port_run
+from sglang_elastic_ep.controller.launchers.ports import port_is_free as port_is_free
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port_run(length: int, *, offset: int = 0, avoid: set[int] | frozenset[int] = frozenset(),
-                  attempts: int = 200) -> int:
-    """A free port ``p`` whose run ``p + offset .. p + offset + length - 1`` is free too, with
-    neither ``p`` nor the run in ``avoid``.
-
-    SGLang derives further ports from the ones it is given (``--dist-init-addr`` port + 1..6;
-    a joiner's ``--port`` + 233..238), and two free ports asked for one after the other are
-    often adjacent: a cluster once failed to start because its own HTTP port was its
-    dist-init port + 1 ("port_base ... is used by a process already")."""
-    for _ in range(attempts):
-        port = free_port()
-        run = range(port + offset, port + offset + length)
-        if run.stop > 65536 or port in avoid or any(q in avoid for q in run):
-            continue
-        if all(q == port or port_is_free(q) for q in run):
-            return port
-    raise RuntimeError(f"no free port with {length} free ports at +{offset} in {attempts} tries")
 
 
 def free_ports(count: int) -> list[int]:
@@ -59,8 +30,8 @@ def free_ports(count: int) -> list[int]:
     try:
         for _ in range(count):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
             socks.append(sock)
+            bind_free(sock, listen_ports())
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for sock in socks:

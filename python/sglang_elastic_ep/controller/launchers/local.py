@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import time
 import uuid
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from sglang_elastic_ep.controller.launchers.base import LauncherError, within
+from sglang_elastic_ep.controller.launchers.ports import free_joiner_port
 from sglang_elastic_ep.controller.launchers.template import Template, TemplateError
 from sglang_elastic_ep.core.controller import JoinerSpec, JoinMode, Launch
 
@@ -32,12 +32,6 @@ ENV_NUM_RANKS = "SGLANG_EEP_NUM_RANKS"
 ENV_JOIN_MODE = "SGLANG_EEP_JOIN_MODE"
 ENV_OPERATION_ID = "SGLANG_EEP_OPERATION_ID"
 KEEP_EXITED = 64  # exited joiners remembered (the controller counts failed relaunches)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -81,7 +75,10 @@ class LocalLauncher:
     # --- Launcher -------------------------------------------------------------------
 
     def launch_joiner(self, spec: JoinerSpec) -> Launch:
-        port = self.port_base + spec.rank_offset if self.port_base is not None else free_port()
+        if self.port_base is not None:
+            port = self.port_base + spec.rank_offset
+        else:
+            port = free_joiner_port()
         argv = self._argv(spec, port)
         launch_id = uuid.uuid4().hex
         self.log_dir.mkdir(parents=True, exist_ok=True)
