@@ -2,8 +2,8 @@
 attention) with elastic EP off, with ``--elastic-ep-backend mooncake --max-ep-size 4``, and
 with ``--elastic-ep-backend mooncake`` alone; the same requests (2 clients, 16-token greedy,
 back to back). Per configuration: requests/s, latency p50 / p99, and where rank 0's scheduler
-spends a pass, from py-spy samples taken during the measured window (the share of samples
-inside each kind of collective, inside this plugin, and the rest).
+spends its time, from py-spy samples of its scheduler thread taken during the measured window
+(the share of samples in each kind of work, by the innermost Python frame).
 
 Writes docs/benchmarks.md section ``elastic_overhead``.
 """
@@ -18,6 +18,8 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import section_head, write_section  # noqa: E402
@@ -34,29 +36,38 @@ CONFIGS: dict[str, dict] = {
 }
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "barrier", "reduce_scatter",
                "all_to_all", "gather", "scatter", "send", "recv")
+# The scheduler's own thread; py-spy also samples its idle helper threads (watchdog, tqdm).
+SCHEDULER_THREAD = "run_scheduler_process"
+
+
+def kind_of(frames: list[str]) -> str:
+    """What a scheduler-thread sample was doing, from its innermost Python frame (its self
+    time): a ``torch.distributed`` collective, the CPU bed's NIXL data plane (MoE dispatch and
+    combine, waiting on the peers' writes), this plugin, waiting for requests, other model
+    compute, or the rest of the scheduler."""
+    leaf = frames[-1]
+    if "distributed_c10d.py" in leaf:
+        name = leaf.split(" ", 1)[0].strip("(")
+        return "collective: " + next((c for c in COLLECTIVES if name.startswith(c)), name)
+    if "nixl_cpu/" in leaf or "nixl_cu12/" in leaf:
+        return "MoE dispatch/combine (NIXL, CPU bed)"
+    if "sglang_elastic_ep/" in leaf:
+        return "plugin"
+    if "cpu/idle.py" in leaf or "zmq/" in leaf:
+        return "waiting for requests"
+    if any("ModelRunner.forward" in frame for frame in frames):
+        return "model compute (rest)"
+    return "scheduler (rest)"
 
 
 def where_time_goes(collapsed: str) -> Counter[str]:
-    """Samples per kind from py-spy's collapsed stacks (``frame;frame;... count``): the
-    innermost ``torch.distributed`` collective on the stack, else this plugin's code, else
-    the rest."""
+    """Samples per kind (``kind_of``) of the scheduler's thread, from py-spy's collapsed
+    stacks (``frame;frame;... count``)."""
     kinds: Counter[str] = Counter()
     for line in collapsed.splitlines():
         stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        frames = stack.split(";")
-        kind = "other"
-        for frame in reversed(frames):
-            if "distributed_c10d.py" in frame:
-                name = frame.split(" ", 1)[0].strip("(")
-                kind = "collective: " + next((c for c in COLLECTIVES if name.startswith(c)),
-                                             name)
-                break
-        else:
-            if any("sglang_elastic_ep" in frame for frame in frames):
-                kind = "plugin"
-        kinds[kind] += int(count)
+        if count.isdigit() and SCHEDULER_THREAD in stack:
+            kinds[kind_of(stack.split(";"))] += int(count)
     return kinds
 
 
@@ -72,6 +83,24 @@ def profile(pid: int, seconds: float) -> Counter[str]:
         return where_time_goes(out.read_text()) if out.exists() else Counter()
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each thread of ``pid``."""
+    try:
+        return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def cpu_shares(pid: int, before: dict[int, float], seconds: float) -> dict[str, float]:
+    """Cores used over the window by the scheduler's main thread (tid == pid), by its busiest
+    other thread, and by all its other threads."""
+    after = thread_cpu(pid)
+    used = {tid: (after[tid] - before.get(tid, 0.0)) / seconds for tid in after}
+    others = [v for tid, v in used.items() if tid != pid]
+    return {"main thread": used.get(pid, 0.0), "busiest other thread": max(others, default=0.0),
+            "all other threads": sum(others)}
+
+
 def measure(name: str, measure_s: float) -> dict:
     spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=2, moe_a2a_backend="nixl",
                        **CONFIGS[name])
@@ -82,9 +111,11 @@ def measure(name: str, measure_s: float) -> dict:
             start = time.monotonic()
             assert cluster.primary is not None
             rank0 = cluster.primary.scheduler_pids()[0]
+            cpu_before = thread_cpu(rank0)
             samples = profile(rank0, measure_s)
             time.sleep(max(0.0, start + measure_s - time.monotonic()))
             end = time.monotonic()
+            cpu = cpu_shares(rank0, cpu_before, end - start)
         finally:
             results = load.stop()
     done = [r for r in results if r.ok and start <= r.finished < end]
@@ -95,6 +126,7 @@ def measure(name: str, measure_s: float) -> dict:
         "p99_ms": statistics.quantiles(latency, n=100)[98] if len(latency) > 1 else float("nan"),
         "failed": sum(not r.ok for r in results),
         "samples": samples,
+        "cpu": cpu,
     }
 
 
@@ -110,7 +142,8 @@ def main() -> None:
                       "Tiny model, 2 ranks, `--moe-a2a-backend nixl`, DP attention, 2 clients "
                       "sending 16-token greedy requests back to back; "
                       f"{args.measure_seconds:.0f} s measured after a warm-up. The breakdown "
-                      "is py-spy's samples of rank 0's scheduler over the same window."),
+                      "is py-spy's samples of rank 0's scheduler thread over the same window, "
+                      "by the innermost Python frame (a collective's own time is its wait)."),
         "| measure | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
         "| requests/s | " + " | ".join(f"{figures[n]['req_s']:.2f}" for n in names) + " |",
@@ -120,6 +153,9 @@ def main() -> None:
         + " |",
         "| failed requests | " + " | ".join(str(figures[n]["failed"]) for n in names) + " |",
     ]
+    for part in ("main thread", "busiest other thread", "all other threads"):
+        lines.append(f"| rank 0 scheduler, cores used: {part} | "
+                     + " | ".join(f"{figures[n]['cpu'][part]:.2f}" for n in names) + " |")
     kinds = sorted({k for n in names for k in figures[n]["samples"]})
     for kind in kinds:
         cells = []

@@ -1,6 +1,7 @@
 """Soak: N cycles of 2 -> 3 -> 2 under steady load on one CPU cluster; after each cycle, what
-the staying ranks hold (RSS per rank, open fds, threads, listening ports of the primary's
-processes, shared-memory segments) and the request latency p50 / p99 of the cycle.
+the staying ranks hold (RSS per rank, open fds and among them TCP sockets left in CLOSE_WAIT,
+threads, listening ports of the primary's processes, shared-memory segments and among them
+named semaphores) and the request latency p50 / p99 of the cycle.
 
 Each cycle launches a scale joiner for rank 2, POSTs 3, waits for the commit, POSTs 2 and waits
 for the joiner's server to exit 0. Nothing may grow cycle over cycle: the section states the
@@ -36,18 +37,22 @@ def held(cluster: LocalCluster) -> dict[str, float]:
     out: dict[str, float] = {}
     for rank, pid in sorted(cluster.primary.scheduler_pids().items()):
         out[f"rss_rank{rank}_mib"] = psutil.Process(pid).memory_info().rss / 2**20
-    fds = threads = 0
+    fds = threads = close_wait = 0
     ports: set[int] = set()
     for proc in process_tree(cluster.primary.pid):
         try:
             fds += proc.num_fds()
             threads += proc.num_threads()
-            ports |= {c.laddr.port for c in proc.net_connections(kind="inet")
-                      if c.status == psutil.CONN_LISTEN}
+            connections = proc.net_connections(kind="inet")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    out.update(fds=fds, threads=threads, listening_ports=len(ports),
-               shm_segments=len(list(SHM.iterdir())) if SHM.exists() else 0)
+        ports |= {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+        # Sockets whose peer hung up and that their owner never closed.
+        close_wait += sum(c.status == psutil.CONN_CLOSE_WAIT for c in connections)
+    shm = list(SHM.iterdir()) if SHM.exists() else []
+    out.update(fds=fds, close_wait_sockets=close_wait, threads=threads,
+               listening_ports=len(ports), shm_segments=len(shm),
+               shm_semaphores=sum(p.name.startswith("sem.") for p in shm))
     return out
 
 
