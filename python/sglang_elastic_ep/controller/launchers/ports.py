@@ -2,7 +2,7 @@
 
 Inside that range a port is free only for now: any outgoing connection (an HTTP client, a
 store client) may take it as its local port. A joiner's port is picked when it is launched,
-and the ports SGLang derives from it (its ``--port`` + 233..239) are bound later, by its
+and the ports SGLang derives from it (its ``--port`` + 233..238) are bound later, by its
 scheduler; a replacement is relaunched on the same ports as the rank it replaces. Taken in the
 meantime, they fail its start-up with "scheduler_input_port ... is used by a process already".
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_PORT = 10000
-# SGLang derives ports up to +239 from a joiner's --port: the whole run stays below the range.
+# SGLang derives ports up to +238 from a joiner's --port: the whole run stays below the range.
 DERIVED_HEADROOM = 300
 # A joiner's port_base is its --port + ZMQ_TCP_PORT_DELTA (SGLang's server_args.py), with six
 # ports from there (detokenizer, rpc, metrics, scheduler input, ...).
