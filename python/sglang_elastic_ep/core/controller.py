@@ -582,14 +582,17 @@ class ElasticController:
             fault = self._fault(status, span)
             failures = self._failures(status, span)
             attempt_id = recover_operation_id(cfg.op_prefix, offset, fault, failures)
-            current = [launch for launch in self._launches if launch.operation_id == attempt_id]
+            # A relaunch made before the failure's event arrived carries fault 0: it is this
+            # attempt too (else the event's arrival would start a second replacement).
+            same_attempt = {attempt_id, recover_operation_id(cfg.op_prefix, offset, 0, failures)}
+            current = [launch for launch in self._launches if launch.operation_id in same_attempt]
             if current:
                 alive = [launch for launch in current if launch.alive]
                 started = min((launch.started_at or now) for launch in current)
                 if alive and now - started <= cfg.recover_timeout_s:
                     holds.append(Hold(
                         f"waiting for the replacement of rank(s) {_ranks(span)} "
-                        f"({attempt_id}) to rejoin",
+                        f"({alive[0].operation_id}) to rejoin",
                         {"failures": failures, "age_s": round(now - started, 1)},
                     ))
                     continue

@@ -306,6 +306,25 @@ def test_a_failed_rank_is_relaunched_in_recover_mode_once() -> None:
     assert decision.actions == () and "waiting for the replacement" in decision.holds[0].reason
 
 
+def test_the_failure_event_arriving_after_the_relaunch_starts_no_second_replacement() -> None:
+    c = ElasticController(config())
+    s = status(3, failed=[2])
+    first = only(step(c, 100, s), Relaunch)  # the status shows the fault before its event
+    assert first.spec.operation_id == "ctl-recover-r2-e0-1"
+    e = Event()
+    c.observe_event(e.failed(2))
+    c.observe_event(e.required(2))
+    replacement = launch(2, first.spec.operation_id, mode=JoinMode.RECOVER, started=100)
+    decision = step(c, 101, s, launches=[replacement])
+    assert decision.actions == ()
+    assert "waiting for the replacement" in decision.holds[0].reason
+    assert first.spec.operation_id in decision.holds[0].reason
+    # It dies before rejoining: the next attempt is the second, under the event's id.
+    dead = launch(2, first.spec.operation_id, mode=JoinMode.RECOVER, alive=False, started=100)
+    again = only(step(c, 110, s, launches=[dead]), Relaunch)
+    assert (again.attempt, again.spec.operation_id) == (2, "ctl-recover-r2-e1-2")
+
+
 def test_no_autoscaling_while_a_rank_is_failed() -> None:
     c = ElasticController(config(heal=False))
     decision = step(c, 100, status(3, failed=[2]), load=HOT)
