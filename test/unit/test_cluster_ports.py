@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from sglang_elastic_ep.controller.launchers.ports import free_joiner_port
 from sglang_elastic_ep_testbed.cluster.procs import (
     free_port,
     free_port_run,
@@ -43,6 +44,6 @@ def test_ports_and_their_derived_runs_stay_below_the_ephemeral_range() -> None:
         pytest.skip("the kernel's ephemeral range starts too low to pick ports below it")
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     joiner = free_port_run(7, offset=233)
-    picked = [free_port(), *free_ports(3), free_port_run(7), joiner]
+    picked = [free_port(), *free_ports(3), free_port_run(7), joiner, free_joiner_port()]
     assert all(ports.start <= p < low for p in picked), (picked, low)
     assert joiner + 233 + 6 < low

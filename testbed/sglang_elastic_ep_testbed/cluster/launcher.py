@@ -312,7 +312,7 @@ class LocalCluster:
     def _take_port(self, derived_offset: int = 0) -> int:
         """A free port outside this cluster's other ports; with ``derived_offset`` (a
         joiner's HTTP port) the ports SGLang derives at that offset are free and kept too."""
-        length = DERIVED_PORTS + 1 if derived_offset else 1
+        length = DERIVED_PORTS if derived_offset else 1
         port = free_port_run(length, offset=derived_offset, avoid=self._taken)
         self._taken.add(port)
         if derived_offset:

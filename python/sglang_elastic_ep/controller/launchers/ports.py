@@ -37,9 +37,12 @@ def listen_ports() -> range:
 
 def bind_free(sock: socket.socket, ports: range, attempts: int = 200) -> int:
     """Bind ``sock`` to 127.0.0.1 on a free port of ``ports`` (any free port if it is empty)."""
-    for _ in range(attempts if ports else 1):
+    if not ports:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+    for _ in range(attempts):
         try:
-            sock.bind(("127.0.0.1", random.choice(ports) if ports else 0))
+            sock.bind(("127.0.0.1", random.choice(ports)))
         except OSError:
             continue
         return int(sock.getsockname()[1])
@@ -80,4 +83,4 @@ def free_port_run(length: int, *, offset: int = 0, avoid: Collection[int] = froz
 
 def free_joiner_port() -> int:
     """A joiner's ``--port``, with the ports SGLang derives from it free too."""
-    return free_port_run(DERIVED_PORTS + 1, offset=JOINER_PORT_DELTA)
+    return free_port_run(DERIVED_PORTS, offset=JOINER_PORT_DELTA)
