@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -66,15 +67,24 @@ class ControllerProcess:
                 found.append(record)
         return found
 
-    def wait_record(self, accept, what: str, timeout_s: float) -> dict:
+    def wait_record(self, accept, what: str, timeout_s: float,
+                    server: Callable[[], str] | None = None) -> dict:
+        """The first record ``accept`` takes. On a timeout the error shows ``server()`` (what
+        the server says now) first, then the controller's last records, kept short: CI shows
+        only part of a long failure."""
         def probe() -> dict | None:
             assert self.popen.poll() is None, f"the controller exited: {self.tail()}"
             return next((r for r in self.records() if accept(r)), None)
 
-        return wait_until(probe, timeout_s, what, poll_s=1.0, describe=self.tail)
+        def describe() -> str:
+            return (f"{server()}\n" if server is not None else "") + self.tail()
 
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return wait_until(probe, timeout_s, what, poll_s=1.0, describe=describe)
+
+    def tail(self, lines: int = 12) -> str:
+        """The last records: time, type and message only."""
+        return "\n".join(f"{r.get('time')} {r.get('type')}: {str(r.get('message'))[:200]}"
+                         for r in self.records()[-lines:])
 
     def stop(self) -> int:
         """SIGTERM, as an operator would; the exit code (SIGKILL after 30 s)."""
@@ -86,6 +96,19 @@ class ControllerProcess:
             return self.popen.wait(timeout=30)
         finally:
             self._log.close()
+
+
+def server_now(cluster: LocalCluster) -> str:
+    """The status's ranks and operation, then each survivor's last log events, briefly."""
+    try:
+        now = httpx.get(cluster.url + "/elastic_ep/status", timeout=10).json()
+        said = (f"status: size {now['effective_ep_size']}, ranks "
+                f"{[r['state'] for r in now['ranks']]}, operation {now['current_operation']}")
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        said = f"status unreadable: {exc!r}"
+    logs = [f"--- {server.log_path.name}:\n{server.log_events(8)}"
+            for server in (cluster.primary, *cluster.followers.values()) if server is not None]
+    return "\n".join([said, *logs])
 
 
 def result_for(message_start: str, rank: int):
@@ -158,7 +181,7 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
                 kill_tree(int(launched["handle"]), hard=True)
                 relaunched = controller.wait_record(
                     result_for("relaunched", 2), "the controller relaunches rank 2",
-                    FAULT_SEEN_S + 120)
+                    FAULT_SEEN_S + 120, server=lambda: server_now(cluster))
                 assert relaunched["handle"] != launched["handle"]
                 recovered = wait_rank_state(url, 2, "active", RECOVERED_S)
                 assert recovered["effective_ep_size"] == 3, recovered
