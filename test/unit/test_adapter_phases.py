@@ -1,9 +1,10 @@
 """Every phase the SGLang adapters write into upstream's ``scale_phase`` is a ``Phase``.
 
 Read from the adapters' source: each write (an assignment to ``scale_phase`` or
-``elastic_scale_phase``, or a ``scale_phase=`` argument) and each comparison with one must name
-``Phase`` members, or pass upstream's own value through; a bare string would let a phase the
-status cannot map slip in unseen.
+``elastic_scale_phase``, a ``scale_phase=`` argument, or a phase handed to the release's
+``enter``) and each comparison with one must name ``Phase`` members, pass upstream's own value
+through, or write the value of something typed ``Phase`` (a machine's phase); a bare string would
+let a phase the status cannot map slip in unseen.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from sglang_elastic_ep.core.phases import Phase
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "python" / "sglang_elastic_ep" / "sglang"
 PHASE_ATTRS = {"scale_phase", "elastic_scale_phase"}
+# Calls that write their last argument as the phase (the release's steps).
+PHASE_SETTERS = {"enter", "enter_phase"}
 # Upstream's own phase, only compared with (never written): ``upstream.RECOVERY_UNSUPPORTED``.
 UPSTREAM_ONLY = {"RECOVERY_UNSUPPORTED"}
 
@@ -34,12 +37,28 @@ def _phase_uses(tree: ast.AST) -> list[tuple[str, int, ast.expr]]:
         elif isinstance(node, ast.Call):
             uses += [("write", kw.value.lineno, kw.value) for kw in node.keywords
                      if kw.arg == "scale_phase"]
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else \
+                getattr(node.func, "id", "")
+            if name in PHASE_SETTERS:
+                uses += [("write", arg.lineno, arg) for arg in node.args[-1:]]
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             if any(_is_phase_attr(side) for side in sides):
                 uses += [("compare", node.lineno, side) for side in sides
                          if not _is_phase_attr(side)]
     return uses
+
+
+def _is_typed_phase(value: ast.expr) -> bool:
+    """``phase``, ``phase.value`` or ``<machine>.phase.value``: something typed ``Phase`` (a
+    parameter so named, a machine's phase) or its value."""
+    if isinstance(value, ast.Name) and value.id == "phase":
+        return True
+    if not (isinstance(value, ast.Attribute) and value.attr == "value"):
+        return False
+    inner = value.value
+    return (isinstance(inner, ast.Name) and inner.id == "phase") or (
+        isinstance(inner, ast.Attribute) and inner.attr == "phase")
 
 
 def _phase_members(value: ast.expr) -> set[str]:
@@ -61,7 +80,7 @@ def _written_phases() -> set[str]:
             passed_through = _is_phase_attr(value)  # upstream's own value, handed on
             upstream_only = (kind == "compare" and isinstance(value, ast.Name)
                              and value.id in UPSTREAM_ONLY)
-            assert members or passed_through or upstream_only, (
+            assert members or passed_through or upstream_only or _is_typed_phase(value), (
                 f"{where}: {ast.unparse(value)} is not a Phase"
             )
             if kind == "write":
@@ -72,8 +91,8 @@ def _written_phases() -> set[str]:
 def test_every_phase_the_adapters_write_is_a_phase() -> None:
     written = _written_phases()
     # The scan finds the writes it is meant to check (scale-down, release, tail recovery).
-    assert {"DRAINING", "SWITCHING_PLACEMENT", "RELEASING", "SERVING_CONTRACTED", "RELEASED",
-            "AWAITING_REPLACEMENT"} <= written
+    assert {"MOVING_EXPERTS", "SWITCHING_PLACEMENT", "RELEASING", "SERVING_CONTRACTED",
+            "RELEASED", "AWAITING_REPLACEMENT"} <= written
 
 
 @pytest.mark.parametrize("phase", sorted(Phase, key=lambda p: p.value))

@@ -3,6 +3,7 @@ tensors shaped and placed as ``MLPSyncBatchInfo.all_gather`` makes them, without
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -12,12 +13,14 @@ import torch
 
 from sglang_elastic_ep.core.agreement import (
     PROPOSAL_COLUMNS,
+    AbortReason,
     LockstepVerdict,
     Proposal,
     StepKind,
     gathered_round,
     pack_row,
 )
+from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
 from sglang_elastic_ep.sglang import expert_health, gather_agreement, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import GatherAgreement
 from sglang_elastic_ep.sglang.gather_agreement import gather_agreement as ga_of
@@ -316,18 +319,28 @@ def test_each_change_is_proposed_as_its_step(proposing: SimpleNamespace,
     from sglang_elastic_ep.sglang.scale_down import scale_down_state
 
     def state(pending: int | None) -> SimpleNamespace:
-        return SimpleNamespace(pending_ep_size=pending, effective_ep_size=3)
+        return SimpleNamespace(pending_ep_size=pending, effective_ep_size=3,
+                               active_ranks_cpu=torch.tensor([1, 1, 1, 0], dtype=torch.int32))
 
     propose = gather_agreement.propose
     assert propose(state(None), proposing, batch_idle=True) == Proposal(2, StepKind.NONE, 0, 0, 3)
     assert propose(state(4), proposing, batch_idle=False) == Proposal(2, StepKind.GROW, 4, 4, 3)
     shrink = state(2)
     down = scale_down_state(shrink)
-    down.drain_confirmed = True
+    down.machine = ScaleDownMachine(rank=2, old_size=3, new_size=2, started_at=time.monotonic(),
+                                    timeout_s=60)
+    down.machine.confirm_drain()
     down.scheduler = SimpleNamespace(running_batch=None, waiting_queue=[], chunked_req=None)
     # Rank 2 leaves: ready only when the batch it runs this pass holds no request either.
     assert propose(shrink, proposing, batch_idle=False).ready == 0
     assert propose(shrink, proposing, batch_idle=True) == Proposal(2, StepKind.SHRINK, 2, 2, 3)
+    # Staying rank 1 failed (the mask's host copy): this rank calls the scale-down off.
+    shrink.active_ranks_cpu[1] = 0
+    assert propose(shrink, proposing, batch_idle=True) == Proposal(
+        2, StepKind.SHRINK, 0, 2, 3, abort=AbortReason.RANK_FAILED)
+    shrink.active_ranks_cpu[1] = 1
+    down.machine.started_at -= 61  # the drain outlasted the scale timeout
+    assert propose(shrink, proposing, batch_idle=True).abort is AbortReason.TIMED_OUT
     monkeypatch.setattr(tail_recovery, "contraction_target", lambda state, runner: 2)
     assert propose(state(None), proposing, batch_idle=False) == Proposal(
         2, StepKind.LET_GO, 2, 2, 3)

@@ -8,6 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_elastic_ep.core.agreement import (
+    AbortReason,
+    GatheredRound,
+    LockstepVerdict,
+    Proposal,
+    StepKind,
+    verdict_from_proposals,
+)
+from sglang_elastic_ep.core.phases import IllegalTransition, Phase
+from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
 from sglang_elastic_ep.sglang import scale_down
 from sglang_elastic_ep.sglang.scale_down import (
     ScaleDownState,
@@ -37,23 +47,31 @@ def test_a_scheduler_holds_no_request_only_when_nothing_runs_waits_or_is_chunked
     assert not holds_no_request(scheduler(chunked=object()))
 
 
+def draining(rank: int, old: int = 3, new: int = 2) -> ScaleDownState:
+    return ScaleDownState(machine=ScaleDownMachine(rank=rank, old_size=old, new_size=new,
+                                                   started_at=0.0))
+
+
 def test_staying_ranks_are_ready_at_once_leaving_ones_after_a_confirmed_drain() -> None:
     state = SimpleNamespace(pending_ep_size=2, effective_ep_size=3)
-    down = ScaleDownState()
     assert is_shrink(state)
-    assert down.ready_to_shrink(state, rank=0) == 2 and down.ready_to_shrink(state, rank=1) == 2
+    assert draining(0).ready_to_shrink(state, rank=0) == 2
+    assert draining(1).ready_to_shrink(state, rank=1) == 2
     # Leaving rank 2: empty scheduler, but the HTTP process has not confirmed the drain (a
     # request it routed there may still be on its way).
+    down = draining(2)
     down.scheduler = scheduler()
     assert down.ready_to_shrink(state, rank=2) == 0
-    down.drain_confirmed = True
+    down.machine.confirm_drain()
     assert down.ready_to_shrink(state, rank=2) == 2
     down.scheduler = scheduler(running=1)
     assert down.ready_to_shrink(state, rank=2) == 0  # confirmed, but still finishing one
     # Asked before the pass's batch became the scheduler's running batch: that batch counts.
     down.scheduler = scheduler()
     assert down.ready_to_shrink(state, rank=2, batch_idle=False) == 0
-    assert down.ready_to_shrink(state, rank=0, batch_idle=False) == 2  # staying: at once
+    assert draining(0).ready_to_shrink(state, rank=0, batch_idle=False) == 2  # staying: at once
+    # A machine for another target (an earlier request) makes no rank ready for this one.
+    assert draining(0, new=1).ready_to_shrink(state, rank=0) == 0
 
 
 def test_no_shrink_pending_means_nothing_to_be_ready_for() -> None:
@@ -83,13 +101,33 @@ def test_a_server_is_stopped_only_when_every_one_of_its_ranks_leaves() -> None:
 
 def test_a_drain_confirmation_read_after_the_commit_is_recognised() -> None:
     committed = SimpleNamespace(pending_ep_size=None, effective_ep_size=2)
-    down = ScaleDownState(committed_shrink=2)
+    down = draining(0)
+    assert not down.is_late_drain_confirmation(committed, 2)  # still draining
+    for phase in (Phase.MOVING_EXPERTS, Phase.SWITCHING_PLACEMENT, Phase.RELEASING,
+                  Phase.SERVING_CONTRACTED):
+        down.enter_phase(committed, phase)
+    assert committed.scale_phase == "serving_contracted"
     assert down.is_late_drain_confirmation(committed, 2)
     assert not down.is_late_drain_confirmation(committed, 1)  # a new request: not late
     pending = SimpleNamespace(pending_ep_size=2, effective_ep_size=3)
-    assert not down.is_late_drain_confirmation(pending, 2)  # still draining
-    down.committed_shrink = None
-    assert not down.is_late_drain_confirmation(committed, 2)  # no shrink committed
+    assert not down.is_late_drain_confirmation(pending, 2)  # the state shows no commit
+    assert not ScaleDownState().is_late_drain_confirmation(committed, 2)  # no scale-down ran
+
+
+def test_the_release_writes_the_phase_its_machine_is_in_and_refuses_a_skipped_step() -> None:
+    state = SimpleNamespace(pending_ep_size=2, effective_ep_size=3, scale_phase="draining")
+    down = draining(2)
+    down.enter_phase(state, Phase.MOVING_EXPERTS)
+    assert state.scale_phase == "moving_experts"
+    with pytest.raises(IllegalTransition):
+        down.enter_phase(state, Phase.RELEASED)  # switching placement and releasing skipped
+    assert state.scale_phase == "moving_experts"
+    down.enter_phase(state, Phase.SWITCHING_PLACEMENT)
+    down.enter_phase(state, Phase.RELEASING)
+    down.enter_phase(state, Phase.RELEASED)
+    assert state.scale_phase == "released" and down.machine.done
+    with pytest.raises(RuntimeError, match="without its machine"):
+        ScaleDownState().enter_phase(state, Phase.RELEASING)
 
 
 def test_a_shrink_below_two_attention_dp_ranks_is_refused() -> None:
@@ -121,3 +159,54 @@ def test_a_shrink_is_refused_where_no_per_pass_agreement_can_run(
 
     monkeypatch.setattr(topology, "attn_replica_size", lambda: 1)
     assert refusal(on_device, max_ep_size=4, attn_dp_enabled=True) == "past the agreement checks"
+
+
+class Runner:
+    """The model runner's calls a call-off makes, recorded."""
+
+    def __init__(self) -> None:
+        self.eplb_manager = object()
+        self.calls: list[tuple] = []
+
+    def _reset_eplb_after_elastic_scale_failure(self) -> None:
+        self.calls.append(("eplb re-armed",))
+
+    def _report_elastic_scale_failure(self, error: str, effective_size: int) -> None:
+        self.calls.append(("reported", error, effective_size))
+
+
+def called_off_round(target: int, reason: AbortReason) -> GatheredRound:
+    rows = [Proposal(rank=r, kind=StepKind.SHRINK, ready=0, target=target, serving=3,
+                     abort=reason if r == 1 else AbortReason.NONE) for r in range(3)]
+    return verdict_from_proposals(rows)
+
+
+def test_a_called_off_scale_down_serves_on_at_the_old_size_with_the_failed_rank_left_failed(
+) -> None:
+    mask = torch.tensor([1, 0, 1, 0], dtype=torch.int32)  # staying rank 1 failed
+    state = SimpleNamespace(pending_ep_size=2, effective_ep_size=3, scale_phase="draining",
+                            last_error=None, pending_since=5.0, active_ranks_cpu=mask)
+    down = scale_down_state(state)
+    down.machine = ScaleDownMachine(rank=0, old_size=3, new_size=2, started_at=0.0)
+    runner = Runner()
+    verdict = called_off_round(2, AbortReason.RANK_FAILED)
+    assert verdict.verdict is LockstepVerdict.ABORT
+    scale_down.call_off_scale_down(runner, state, verdict)
+    assert state.pending_ep_size is None and state.scale_phase == "failed"
+    assert "a staying rank failed" in state.last_error
+    assert mask.tolist() == [1, 0, 1, 0]  # not reset: rank 1 stays failed for its recovery
+    assert runner.calls == [("eplb re-armed",), ("reported", state.last_error, 3)]
+
+
+def test_a_rank_that_reads_the_request_after_the_call_off_refuses_it_once() -> None:
+    state = SimpleNamespace(pending_ep_size=None, effective_ep_size=3, scale_phase="idle",
+                            last_error=None)
+    runner = Runner()
+    scale_down.call_off_scale_down(runner, state, called_off_round(2, AbortReason.TIMED_OUT))
+    assert runner.calls == [] and state.scale_phase == "idle"  # nothing of its own to drop
+    down = scale_down_state(state)
+    assert down.take_called_off(state, 1) is None  # another size: a request of its own
+    scale_down.call_off_scale_down(runner, state, called_off_round(2, AbortReason.TIMED_OUT))
+    message = down.take_called_off(state, 2)
+    assert message is not None and "called off" in message and "timed out" in message
+    assert down.take_called_off(state, 2) is None  # a later request for 2 is a new one

@@ -16,8 +16,6 @@ class Phase(str, enum.Enum):
     SYNCING_NEW_WORLD = "syncing_new_world"
     SERVING_EXPANDED = "serving_expanded"
     FAILED = "failed"
-    # Joining rank only: load weights, capture graphs before joining (heartbeats are short).
-    WARMING_UP = "warming_up"
     # Scale-down.
     DRAINING = "draining"
     MOVING_EXPERTS = "moving_experts"
@@ -37,58 +35,33 @@ class Phase(str, enum.Enum):
 
 
 class Role(str, enum.Enum):
-    EXISTING_SCALE_UP = "existing_scale_up"
-    JOINER = "joiner"
+    """A process's part in an operation driven by a machine of ``core`` (one per role)."""
+
     SCALE_DOWN_STAYING = "scale_down_staying"
     SCALE_DOWN_LEAVING = "scale_down_leaving"
-    RECOVERY = "recovery"
 
 
 P = Phase
 _F = P.FAILED
 
 INITIAL_PHASE: dict[Role, Phase] = {
-    Role.EXISTING_SCALE_UP: P.WAITING_FOR_COHORT,
-    Role.JOINER: P.WARMING_UP,
     Role.SCALE_DOWN_STAYING: P.DRAINING,
     Role.SCALE_DOWN_LEAVING: P.DRAINING,
-    Role.RECOVERY: P.ISOLATING_FAULT,
 }
 
+# The release runs on one agreed pass; only the drain before it can be called off.
 TRANSITIONS: dict[Role, dict[Phase, frozenset[Phase]]] = {
-    Role.EXISTING_SCALE_UP: {
-        P.WAITING_FOR_COHORT: frozenset({P.PENDING, _F}),
-        P.PENDING: frozenset({P.JOINING, _F}),
-        P.JOINING: frozenset({P.CONFIGURING_DATA_PLANE, _F}),
-        P.CONFIGURING_DATA_PLANE: frozenset({P.SYNCING_NEW_WORLD, _F}),
-        P.SYNCING_NEW_WORLD: frozenset({P.SERVING_EXPANDED, _F}),
-    },
-    Role.JOINER: {
-        # A recovering joiner has no cohort to register and goes straight to joining.
-        P.WARMING_UP: frozenset({P.PENDING, P.JOINING, _F}),
-        P.PENDING: frozenset({P.JOINING, _F}),
-        P.JOINING: frozenset({P.SYNCING_NEW_WORLD, _F}),
-        P.SYNCING_NEW_WORLD: frozenset({P.CONFIGURING_DATA_PLANE, _F}),
-        P.CONFIGURING_DATA_PLANE: frozenset({P.SERVING_EXPANDED, P.SERVING_RECOVERED, _F}),
-    },
     Role.SCALE_DOWN_STAYING: {
         P.DRAINING: frozenset({P.MOVING_EXPERTS, _F}),
-        P.MOVING_EXPERTS: frozenset({P.SWITCHING_PLACEMENT, _F}),
-        P.SWITCHING_PLACEMENT: frozenset({P.RELEASING, _F}),
-        P.RELEASING: frozenset({P.SERVING_CONTRACTED, _F}),
+        P.MOVING_EXPERTS: frozenset({P.SWITCHING_PLACEMENT}),
+        P.SWITCHING_PLACEMENT: frozenset({P.RELEASING}),
+        P.RELEASING: frozenset({P.SERVING_CONTRACTED}),
     },
     Role.SCALE_DOWN_LEAVING: {
         P.DRAINING: frozenset({P.MOVING_EXPERTS, _F}),
-        P.MOVING_EXPERTS: frozenset({P.SWITCHING_PLACEMENT, _F}),
-        P.SWITCHING_PLACEMENT: frozenset({P.RELEASING, _F}),
-        P.RELEASING: frozenset({P.RELEASED, _F}),
-    },
-    Role.RECOVERY: {
-        P.ISOLATING_FAULT: frozenset({P.SERVING_DEGRADED, _F}),
-        # Another rank may fail while degraded: isolate it too.
-        P.SERVING_DEGRADED: frozenset({P.REJOINING, P.ISOLATING_FAULT, _F}),
-        P.REJOINING: frozenset({P.RESTORING_EXPERTS, _F}),
-        P.RESTORING_EXPERTS: frozenset({P.SERVING_RECOVERED, _F}),
+        P.MOVING_EXPERTS: frozenset({P.SWITCHING_PLACEMENT}),
+        P.SWITCHING_PLACEMENT: frozenset({P.RELEASING}),
+        P.RELEASING: frozenset({P.RELEASED}),
     },
 }
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
     expert_location_metadata,
     lockstep_agreement_on,
+    scale_timeout_s,
 )
 
 logger = logging.getLogger(__name__)
@@ -159,22 +161,15 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
     else:
         kind, ready = StepKind.NONE, 0
     ready = readiness_skew(runner).apply(ready)
-    # Only a scale-up waiting for its joiners is called off: no config lookup on other passes.
-    abort = (abort_reason(state, kind, target, scale_timeout_s()) if kind is StepKind.GROW
-             else AbortReason.NONE)
+    # Only a pending scale is called off: no config lookup or mask read on other passes.
+    if kind is StepKind.GROW:
+        abort = abort_reason(state, kind, target, scale_timeout_s())
+    elif kind is StepKind.SHRINK:
+        abort = scale_down_state(state).abort_reason(state, time.monotonic())
+    else:
+        abort = AbortReason.NONE
     return Proposal(rank=rank, kind=kind, ready=0 if abort else ready, target=target,
                     serving=int(state.effective_ep_size), abort=abort)
-
-
-def scale_timeout_s() -> float:
-    """``--elastic-ep-scale-timeout``: how long a scale-up may wait for its joiners (0, no
-    limit, before SGLang published its config)."""
-    from sglang.srt.runtime_context import get_context
-
-    ctx = get_context()
-    if not ctx.is_config_namespace_published("exec"):
-        return 0.0
-    return float(ctx.config_bag("exec").moe.elastic_ep_scale_timeout or 0)
 
 
 def _slots_per_rank() -> int:

@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_elastic_ep.core.agreement import AbortReason, GatheredRound
 from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
 from sglang_elastic_ep.sglang.operation_log import get_logger, note_scale_request
@@ -38,6 +40,7 @@ from sglang_elastic_ep.sglang.upstream import (
     dp_gather_every_pass,
     lockstep_agreement_on,
     membership_state_on_host,
+    scale_timeout_s,
     state_manager,
 )
 
@@ -46,32 +49,66 @@ logger = get_logger(__name__)
 
 @dataclass
 class ScaleDownState:
-    """This scheduler process's side of a scale-down (one per process: ``scale_down_state``)."""
+    """This scheduler process's scale-down driver (one per process: ``scale_down_state``): the
+    machine of the current or last scale-down (``core.scale_down_machine``), fed from the
+    scheduler's queues and the membership mask, and the phase it reports."""
 
     scheduler: Any = None  # this process's scheduler, for the drain check in the agreement step
-    drain_confirmed: bool = False  # the HTTP process saw every request routed to leaving shards end
-    committed_shrink: int | None = None  # the size the last scale-down committed to
+    machine: ScaleDownMachine | None = None
+    # A scale-down the agreement called off before this rank read its request: the target and
+    # why, to answer that request with when it arrives.
+    called_off: tuple[int, str] | None = None
 
     def ready_to_shrink(self, state: Any, rank: int, *, batch_idle: bool = True) -> int:
-        """The shrink target when this rank can enter the commit now, else 0: staying ranks at
+        """The shrink target when this rank can enter the release now, else 0: staying ranks at
         once, a leaving rank once the HTTP process confirmed the drain (no request of its is on
         the way), its scheduler holds no request, and the batch it runs this pass holds none
         (``batch_idle``: asked before the pass's batch is the scheduler's running batch)."""
-        target = state.pending_ep_size or 0
-        if not target or rank < target:
-            return target
-        drained = (self.drain_confirmed and batch_idle and self.scheduler is not None
-                   and holds_no_request(self.scheduler))
-        return target if drained else 0
+        machine = self.machine
+        if machine is None or not is_shrink(state) or machine.new_size != state.pending_ep_size:
+            return 0
+        idle = batch_idle and self.scheduler is not None and holds_no_request(self.scheduler)
+        return machine.readiness(holds_no_request=idle)
+
+    def abort_reason(self, state: Any, now: float) -> AbortReason:
+        """Whether this rank calls the pending scale-down off this pass (the timeout, or a
+        staying rank the mask shows failed: read from the host copy, no device sync)."""
+        machine = self.machine
+        if machine is None or not machine.draining:
+            return AbortReason.NONE
+        mask = state.active_ranks_cpu.tolist()
+        failed = frozenset(r for r in range(min(machine.new_size, len(mask))) if not mask[r])
+        return machine.abort_reason(now, failed_ranks=failed)
 
     def is_late_drain_confirmation(self, state: Any, new_ep_size: int) -> bool:
-        """The HTTP process's drain confirmation reached this scheduler only after the commit.
-        Staying ranks are ready at once and the leaving ones as soon as they read it, so the
-        commit can run before a staying rank has read the same message from its socket. Seen:
-        the late confirmation was taken for a new request to the current size, refused, and the
+        """The HTTP process's drain confirmation reached this scheduler only after the commit
+        (``ScaleDownMachine.answers_late_confirmation``). Seen before it was recognised: the
+        late confirmation was taken for a new request to the current size, refused, and the
         committed scale-down was reported failed."""
-        return (state.pending_ep_size is None and self.committed_shrink == new_ep_size
-                and state.effective_ep_size == new_ep_size)
+        return (self.machine is not None and self.machine.answers_late_confirmation(new_ep_size)
+                and state.pending_ep_size is None and state.effective_ep_size == new_ep_size)
+
+    def take_called_off(self, state: Any, new_ep_size: int) -> str | None:
+        """Why the request to shrink to ``new_ep_size`` that just arrived was already called
+        off by the other ranks (on a pass before this rank read it); None for any other
+        request. Answered once: a later request for the same size is a new one."""
+        called_off, self.called_off = self.called_off, None
+        if called_off is not None and called_off[0] == new_ep_size \
+                and state.pending_ep_size is None:
+            return called_off[1]
+        return None
+
+    def enter_phase(self, state: Any, phase: Phase) -> None:
+        """The release on the agreed pass reached ``phase`` (a step, or its end)."""
+        machine = self.machine
+        if machine is None:
+            raise RuntimeError("a scale-down release ran without its machine")
+        now = time.monotonic()
+        if phase in (Phase.SERVING_CONTRACTED, Phase.RELEASED):
+            machine.committed(now)
+        else:
+            machine.advance(phase, now)
+        state.scale_phase = machine.phase.value
 
 
 _STATE_ATTR = "_elastic_ep_scale_down"
@@ -158,10 +195,16 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
         return original(scheduler, recv_req)
 
     old = state.effective_ep_size
-    if state.pending_ep_size == new and state.scale_phase == Phase.DRAINING.value:
+    called_off = down.take_called_off(state, new)
+    if called_off is not None:
+        return ScaleElasticEPReqOutput(success=False, message=called_off, old_ep_size=old,
+                                       new_ep_size=new, scale_phase=state.scale_phase)
+    machine = down.machine
+    if (state.pending_ep_size == new and machine is not None and machine.draining
+            and machine.new_size == new):
         # The HTTP process's second message: every request it routed to the leaving shards
         # has finished (or was ended at the drain timeout), so none is still on its way here.
-        down.drain_confirmed = True
+        machine.confirm_drain()
         return ScaleElasticEPReqOutput(
             success=True, message=f"drain of ranks {new}..{old - 1} confirmed",
             old_ep_size=old, new_ep_size=new, pending_ep_size=new, scale_phase=Phase.DRAINING.value,
@@ -170,12 +213,15 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     if error is not None:
         return ScaleElasticEPReqOutput(success=False, message=error, old_ep_size=old,
                                        new_ep_size=new, scale_phase=state.scale_phase)
-    down.drain_confirmed = False
-    down.committed_shrink = None
+    now = time.monotonic()
+    down.machine = ScaleDownMachine(
+        rank=scheduler.tp_worker.model_runner._elastic_global_rank(), old_size=old,
+        new_size=new, started_at=now, timeout_s=scale_timeout_s(),
+    )
     state.pending_ep_size = new
-    state.scale_phase = Phase.DRAINING.value
+    state.scale_phase = down.machine.phase.value
     state.last_error = None
-    state.pending_since = time.monotonic()
+    state.pending_since = now
     eplb = scheduler.tp_worker.model_runner.eplb_manager
     if eplb is not None:
         eplb.disable_rebalance("elastic EP scale-down is pending")
@@ -198,13 +244,37 @@ def holds_no_request(scheduler: Any) -> bool:
 
 def finalize_scale_down(runner: Any, target: int) -> None:
     """Every active rank, on the same agreed pass: commit the scale-down
-    (:func:`~sglang_elastic_ep.sglang.tail_release.release_tail`) and remember its size, so a
-    drain confirmation read after the commit is recognised
-    (``ScaleDownState.is_late_drain_confirmation``)."""
-    # Set first: on a leaving rank the release never returns. The late-confirmation check
-    # also requires the state to show the new size, which only the release sets.
-    scale_down_state(state_manager().instance()).committed_shrink = target
-    release_tail(runner, target)
+    (:func:`~sglang_elastic_ep.sglang.tail_release.release_tail`), each step of the release
+    reported to this rank's machine, which writes the phase the status shows."""
+    state = state_manager().instance()
+    down = scale_down_state(state)
+    release_tail(runner, target, enter_phase=lambda phase: down.enter_phase(state, phase))
+
+
+def call_off_scale_down(runner: Any, state: Any, verdict: GatheredRound) -> None:
+    """The pass's verdict called the pending scale-down off (a rank's drain timed out, or a
+    staying rank failed): every rank drops it on this pass and serves on at the old size; the
+    HTTP process routes to the leaving shards again when it reads the failure. A rank that has
+    not read the request yet remembers the verdict and refuses the request when it arrives."""
+    down = scale_down_state(state)
+    machine = down.machine
+    if machine is None or not machine.draining or not is_shrink(state):
+        target = max((p.target for p in verdict.proposals if p.abort), default=0)
+        if target:
+            why = verdict.abort.name.lower().replace("_", " ")
+            down.called_off = (target, f"scale-down to {target} called off on the other ranks "
+                                       f"({why}) before this rank read it")
+        return
+    message = machine.call_off(verdict.abort, "", time.monotonic())
+    # Not upstream's fail_scale: its reset() would mark a failed staying rank active again.
+    state.pending_ep_size = None
+    state.pending_since = None
+    state.scale_phase = machine.phase.value
+    state.last_error = message
+    if runner.eplb_manager is not None:
+        runner._reset_eplb_after_elastic_scale_failure()
+    runner._report_elastic_scale_failure(message, int(state.effective_ep_size))
+    logger.warning("[elastic-ep] %s; serving on at EP size %d", message, state.effective_ep_size)
 
 
 def is_shrink(state: Any) -> bool:

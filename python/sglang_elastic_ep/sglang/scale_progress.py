@@ -32,7 +32,7 @@ from sglang_elastic_ep.sglang.join_kind import note_join, slot_history
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import end_when_settled, get_logger
 from sglang_elastic_ep.sglang.scale_abort import abort_pending_scale
-from sglang_elastic_ep.sglang.scale_down import finalize_scale_down
+from sglang_elastic_ep.sglang.scale_down import call_off_scale_down, finalize_scale_down
 from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
     lockstep_agreement_on,
@@ -135,6 +135,8 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         # declare the failure unrecoverable. The next pass's gather carries the let-go.
         return None
     if agreed.verdict is LockstepVerdict.ABORT:
+        if any(p.kind is StepKind.SHRINK for p in agreed.outcome.proposals if p.abort):
+            return call_off_scale_down(runner, state, agreed.outcome)
         return abort_pending_scale(runner, state, agreed.outcome.abort,
                                    agreed.outcome.problem or "called off")
     if agreed.verdict is LockstepVerdict.ENTER:

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -31,9 +32,11 @@ logger = get_logger(__name__)
 
 
 def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
-                 move_experts: bool = True) -> None:
+                 move_experts: bool = True,
+                 enter_phase: Callable[[Phase], None] | None = None) -> None:
     """Every active rank, on the same agreed pass: move experts, switch placement, then let
-    ranks ``target..`` go. Does not return on a released rank.
+    ranks ``target..`` go. Does not return on a released rank. ``enter_phase`` is told each
+    step and the end (the scale-down's machine); by default the phase is written as is.
 
     ``tell_tokenizer=False, move_experts=False`` when the tail failed rather than left
     (tail_recovery): nothing can be read from dead ranks (that path checks beforehand that
@@ -52,6 +55,13 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
 
     manager = state_manager()
     state = manager.instance()
+
+    def enter(phase: Phase) -> None:
+        if enter_phase is not None:
+            enter_phase(phase)
+        else:
+            state.scale_phase = phase.value
+
     old = state.effective_ep_size
     rank = runner._elastic_global_rank()
     leaving = list(range(target, old))
@@ -60,9 +70,10 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
 
     # 1. Experts: the staying ranks take every expert only the tail holds (weights move while
     # the leaving ranks are still members); then the leaving ranks' slots leave the map.
-    state.scale_phase = Phase.SWITCHING_PLACEMENT.value
+    enter(Phase.MOVING_EXPERTS)
     if move_experts:
         move_experts_off_leaving_ranks(runner, old, target)
+    enter(Phase.SWITCHING_PLACEMENT)
     metadata = expert_location_metadata()
     if metadata is not None and staying:
         slots = metadata.num_physical_experts // old
@@ -78,7 +89,7 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
         )
 
     # 2. Ranks: inactive everywhere, then out of WORLD's collectives.
-    state.scale_phase = Phase.RELEASING.value
+    enter(Phase.RELEASING)
     state.active_ranks[target:] = 0
     state.snapshot_active_to_last()
     state.sync_active_to_cpu()
@@ -90,7 +101,7 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
     state.pending_ep_size = None
     state.pending_since = None
     state.has_scaled = True
-    state.scale_phase = (Phase.SERVING_CONTRACTED if staying else Phase.RELEASED).value
+    enter(Phase.SERVING_CONTRACTED if staying else Phase.RELEASED)
     if manager._on_scale is not None:  # the NIXL data plane (upstream sets it for nixl only)
         from sglang_elastic_ep.sglang.nixl_buffer_hooks import mark_ranks_drained
 

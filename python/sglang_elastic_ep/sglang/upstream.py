@@ -94,3 +94,15 @@ def dp_gather_every_pass(parallel: Any) -> bool:
     from sglang.srt.environ import envs
 
     return not envs.SGLANG_SCHEDULER_SKIP_ALL_GATHER.get()
+
+
+def scale_timeout_s() -> float:
+    """``--elastic-ep-scale-timeout``: how long a scale may stay pending, a scale-up waiting
+    for its joiners or a scale-down draining (0, no limit, before SGLang published its
+    config)."""
+    from sglang.srt.runtime_context import get_context
+
+    ctx = get_context()
+    if not ctx.is_config_namespace_published("exec"):
+        return 0.0
+    return float(ctx.config_bag("exec").moe.elastic_ep_scale_timeout or 0)

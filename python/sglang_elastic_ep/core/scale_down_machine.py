@@ -1,0 +1,146 @@
+"""One scheduler process's side of one scale-down: a staying rank or a leaving one.
+
+Pure: the adapter (``sglang/scale_down.py``) builds one per scale-down request, feeds it what
+the process sees on each pass, and reports the steps of the release it runs; the per-pass
+agreement (``core.agreement``, carried in upstream's DP-attention gather) decides on which pass
+every rank enters the release or calls the scale-down off. Phases
+(``core.phases.TRANSITIONS``)::
+
+    DRAINING --agreed pass--> MOVING_EXPERTS -> SWITCHING_PLACEMENT -> RELEASING
+       |                                              staying -> SERVING_CONTRACTED
+       |                                              leaving -> RELEASED
+       +--called off on an agreed pass (timed out, a staying rank failed)--> FAILED
+
+Only the release blocks serving; while DRAINING the machine answers in O(1) and never waits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sglang_elastic_ep.core.agreement import AbortReason
+from sglang_elastic_ep.core.phases import Phase, PhaseStamp, PhaseTracker, Role
+
+_RELEASE_STEPS = (Phase.MOVING_EXPERTS, Phase.SWITCHING_PLACEMENT, Phase.RELEASING)
+
+
+@dataclass
+class ScaleDownMachine:
+    """Ranks ``[new_size, old_size)`` leave; ``rank`` is this process's EP rank."""
+
+    rank: int
+    old_size: int
+    new_size: int
+    started_at: float  # monotonic seconds
+    timeout_s: float = 0.0  # the drain must end within it (0: no limit)
+    drain_confirmed: bool = False  # the HTTP process saw every request routed to the tail end
+    error: str | None = None
+    _tracker: PhaseTracker = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.new_size < self.old_size:
+            raise ValueError(f"a scale-down needs 1 <= new size < old size, got "
+                             f"{self.old_size} -> {self.new_size}")
+        if not 0 <= self.rank < self.old_size:
+            raise ValueError(f"rank {self.rank} is outside the current size {self.old_size}")
+        if self.timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0, got {self.timeout_s}")
+        self._tracker = PhaseTracker(self.role, self.started_at)
+
+    @property
+    def leaving(self) -> bool:
+        return self.rank >= self.new_size
+
+    @property
+    def role(self) -> Role:
+        return Role.SCALE_DOWN_LEAVING if self.leaving else Role.SCALE_DOWN_STAYING
+
+    @property
+    def leaving_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.new_size, self.old_size))
+
+    @property
+    def phase(self) -> Phase:
+        return self._tracker.phase
+
+    @property
+    def phase_stamps(self) -> tuple[PhaseStamp, ...]:
+        return self._tracker.stamps
+
+    @property
+    def draining(self) -> bool:
+        return self.phase is Phase.DRAINING
+
+    @property
+    def done(self) -> bool:
+        return self._tracker.is_terminal
+
+    # --- while draining: one call per pass, none of them waits ----------------------------
+
+    def confirm_drain(self) -> None:
+        """The HTTP process's second message: nothing it routed to the tail is still running,
+        so no request can still be on its way to a leaving rank."""
+        if not self.draining:
+            raise ValueError(f"no drain to confirm: the scale-down to {self.new_size} is "
+                             f"{self.phase.value}")
+        self.drain_confirmed = True
+
+    def readiness(self, *, holds_no_request: bool) -> int:
+        """This rank's ``ready`` column for the pass: the target when it can enter the release
+        now, else 0. A staying rank is ready at once; a leaving rank once the drain is confirmed
+        and it holds no request (``holds_no_request`` includes the batch this pass runs)."""
+        if not self.draining:
+            return 0
+        if not self.leaving or (self.drain_confirmed and holds_no_request):
+            return self.new_size
+        return 0
+
+    def abort_reason(self, now: float, *, failed_ranks: frozenset[int]) -> AbortReason:
+        """Whether this rank calls the scale-down off on this pass (its ``abort`` column):
+        the drain outlasted the timeout, or a staying rank failed (the release would hand its
+        experts to a dead rank; its recovery runs once the scale-down is off)."""
+        if not self.draining:
+            return AbortReason.NONE
+        if any(r < self.new_size for r in failed_ranks):
+            return AbortReason.RANK_FAILED
+        if self.timeout_s and now - self.started_at > self.timeout_s:
+            return AbortReason.TIMED_OUT
+        return AbortReason.NONE
+
+    # --- the agreed pass -------------------------------------------------------------------
+
+    def advance(self, phase: Phase, now: float) -> None:
+        """The release entered its next step (every rank on the same agreed pass)."""
+        if phase not in _RELEASE_STEPS:
+            raise ValueError(f"{phase.value} is not a step of the release "
+                             f"({', '.join(p.value for p in _RELEASE_STEPS)})")
+        self._tracker.advance(phase, now)
+
+    def committed(self, now: float) -> Phase:
+        """The release is done: serving at the new size, or released (leaving)."""
+        final = Phase.RELEASED if self.leaving else Phase.SERVING_CONTRACTED
+        self._tracker.advance(final, now)
+        return final
+
+    def call_off(self, reason: AbortReason, detail: str, now: float) -> str:
+        """The pass's verdict called the scale-down off: every rank serves on at the old size.
+        The message to report."""
+        whys = {
+            AbortReason.TIMED_OUT: f"the drain did not end within {self.timeout_s:g} s "
+                                   "(--elastic-ep-scale-timeout)",
+            AbortReason.RANK_FAILED: "a staying rank failed during the drain",
+        }
+        if reason not in whys:
+            raise ValueError(f"a scale-down is not called off for {reason.name}")
+        why = whys[reason]
+        self.error = (f"scale-down to {self.new_size} called off: {why}"
+                      + (f" ({detail})" if detail else ""))
+        self._tracker.advance(Phase.FAILED, now)
+        return self.error
+
+    def answers_late_confirmation(self, new_size: int) -> bool:
+        """The HTTP process's drain confirmation for this scale-down reached this process after
+        the commit. Staying ranks are ready at once and leaving ones as soon as they read it, so
+        the commit can run before a staying rank has read the same message from its socket;
+        it is answered as done, not taken for a new request."""
+        return self.phase is Phase.SERVING_CONTRACTED and new_size == self.new_size
