@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from sglang_elastic_ep.controller.launchers.ports import free_joiner_port
+from sglang_elastic_ep.controller.launchers.ports import MOONCAKE_PORTS, free_joiner_port
 from sglang_elastic_ep_testbed.cluster.procs import (
     free_port,
     free_port_run,
@@ -38,12 +38,16 @@ def test_no_run_found_says_so() -> None:
         free_port_run(1, offset=70000, attempts=3)
 
 
-def test_ports_and_their_derived_runs_stay_below_the_ephemeral_range() -> None:
+def test_ports_and_their_derived_runs_stay_below_the_ephemeral_range_and_off_mooncakes(
+) -> None:
     ports = listen_ports()
     if not ports:
         pytest.skip("the kernel's ephemeral range starts too low to pick ports below it")
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    joiner = free_port_run(7, offset=233)
-    picked = [free_port(), *free_ports(3), free_port_run(7), joiner, free_joiner_port()]
-    assert all(ports.start <= p < low for p in picked), (picked, low)
-    assert joiner + 233 + 6 < low
+    joiners = [free_port_run(7, offset=233) for _ in range(20)]
+    picked = [free_port(), *free_ports(3), free_port_run(7), *joiners, free_joiner_port()]
+    assert all(min(ports) <= p < low for p in picked), (picked, low)
+    assert all(j + 233 + 6 < low for j in joiners)
+    # Mooncake's transfer engine listens on random ports of 15000..17000 in every rank.
+    assert not [p for p in picked if set(range(p, p + 239)) & set(MOONCAKE_PORTS)], picked
+    assert not set(ports) & set(MOONCAKE_PORTS)

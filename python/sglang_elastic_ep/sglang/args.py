@@ -122,6 +122,16 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
     if server_args.elastic_ep_expert_min_ranks < 1:
         raise ValueError("--elastic-ep-expert-min-ranks must be >= 1, got "
                          f"{server_args.elastic_ep_expert_min_ranks}")
+    drain, scale = server_args.elastic_ep_drain_timeout, getattr(
+        server_args, "elastic_ep_scale_timeout", None)
+    if drain < 0:
+        raise ValueError(f"--elastic-ep-drain-timeout must be >= 0 seconds, got {drain}")
+    if scale is not None and drain >= scale:
+        # A scale-down still draining at the scale timeout is called off: it would be called off
+        # before its stragglers were ended.
+        raise ValueError(f"--elastic-ep-drain-timeout ({drain:g} s) must be below "
+                         f"--elastic-ep-scale-timeout ({scale:g} s): lower the drain timeout or "
+                         "raise the scale timeout")
     prefer_elasticity_aware_eplb(server_args)
     server_args.ep_join_mode = join_mode_for_slot(
         resolve_join_mode(getattr(server_args, "ep_join_mode", None),

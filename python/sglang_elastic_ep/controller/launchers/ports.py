@@ -5,37 +5,47 @@ store client) may take it as its local port. A joiner's port is picked when it i
 and the ports SGLang derives from it (its ``--port`` + 233..238) are bound later, by its
 scheduler; a replacement is relaunched on the same ports as the rank it replaces. Taken in the
 meantime, they fail its start-up with "scheduler_input_port ... is used by a process already".
+Mooncake's transfer engine binds its RPC and TCP transport listeners on random ports of
+15000..17000 (``findAvailableTcpPort``) in every rank: those are left out too (seen: a
+cluster's ``--dist-init-addr`` port picked there was taken when its store started).
 """
 
 from __future__ import annotations
 
 import random
 import socket
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_PORT = 10000
 # SGLang derives ports up to +238 from a joiner's --port: the whole run stays below the range.
 DERIVED_HEADROOM = 300
+# Where Mooncake's transfer engine listens (its RPC and TCP transport ports, per rank).
+MOONCAKE_PORTS = range(15000, 17001)
 # A joiner's port_base is its --port + ZMQ_TCP_PORT_DELTA (SGLang's server_args.py), with six
 # ports from there (detokenizer, rpc, metrics, scheduler input, ...).
 JOINER_PORT_DELTA = 233
 DERIVED_PORTS = 6
 
 
-def listen_ports() -> range:
-    """Below the kernel's ephemeral range, with room for derived ports; empty when that range
-    starts too low to leave room below it (then any free port is taken)."""
+def listen_ports() -> Sequence[int]:
+    """Below the kernel's ephemeral range and outside Mooncake's ports, with room for derived
+    ports; empty when that range starts too low to leave room below it (then any free port is
+    taken)."""
     try:
         low = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     high = low - DERIVED_HEADROOM
-    return range(LOWEST_PORT, high) if high - LOWEST_PORT >= 1000 else range(0)
+    if high - LOWEST_PORT < 1000:
+        return range(0)
+    below = range(LOWEST_PORT, min(high, MOONCAKE_PORTS.start - DERIVED_HEADROOM))
+    above = range(MOONCAKE_PORTS.stop, high)
+    return [*below, *above]
 
 
-def bind_free(sock: socket.socket, ports: range, attempts: int = 200) -> int:
+def bind_free(sock: socket.socket, ports: Sequence[int], attempts: int = 200) -> int:
     """Bind ``sock`` to 127.0.0.1 on a free port of ``ports`` (any free port if it is empty)."""
     if not ports:
         sock.bind(("127.0.0.1", 0))
@@ -46,7 +56,7 @@ def bind_free(sock: socket.socket, ports: range, attempts: int = 200) -> int:
         except OSError:
             continue
         return int(sock.getsockname()[1])
-    raise RuntimeError(f"no free port in {ports.start}..{ports.stop - 1} in {attempts} tries")
+    raise RuntimeError(f"no free port in {min(ports)}..{max(ports)} in {attempts} tries")
 
 
 def free_port() -> int:

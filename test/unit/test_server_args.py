@@ -1,0 +1,29 @@
+"""Our server flags are checked at startup: a bad value is a clear error before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_elastic_ep.sglang import args as eep_args
+
+
+def parsed(**overrides: object) -> argparse.Namespace:
+    values = {dest: default for dest, default, _typ, _help in eep_args.EXTRA_FLAGS.values()}
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+@pytest.mark.parametrize("drain", [600.0, 900.0])
+def test_a_drain_timeout_not_below_the_scale_timeout_is_refused(drain: float) -> None:
+    server_args = SimpleNamespace(elastic_ep_scale_timeout=600.0)
+    with pytest.raises(ValueError, match="must be below --elastic-ep-scale-timeout"):
+        eep_args.from_cli_args(server_args, None, parsed(elastic_ep_drain_timeout=drain))
+
+
+def test_a_negative_drain_timeout_is_refused() -> None:
+    server_args = SimpleNamespace(elastic_ep_scale_timeout=600.0)
+    with pytest.raises(ValueError, match="drain-timeout must be >= 0"):
+        eep_args.from_cli_args(server_args, None, parsed(elastic_ep_drain_timeout=-1.0))
