@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from sglang_elastic_ep.core.agreement import (
+    AbortReason,
     GatheredRound,
     LockstepVerdict,
     Proposal,
     StepKind,
+    verdict_from_proposals,
 )
 from sglang_elastic_ep.sglang import scale_progress, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import AgreedRound, gather_agreement
@@ -68,6 +70,11 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
                         lambda r, t: calls.append(f"let go to {t}"))
     monkeypatch.setattr(scale_progress, "finalize_scale_down",
                         lambda r, t: calls.append(f"shrink to {t}"))
+    monkeypatch.setattr(scale_progress, "call_off_scale_down",
+                        lambda r, s, o: calls.append(
+                            f"shrink to {max(p.target for p in o.proposals if p.abort)} off"))
+    monkeypatch.setattr(scale_progress, "abort_pending_scale",
+                        lambda r, s, reason, detail: calls.append("scale-up off"))
     monkeypatch.setattr(scale_progress, "agree_by_all_reduce",
                         lambda s, r: calls.append("all-reduce") or round_of(LockstepVerdict.WAIT))
 
@@ -92,6 +99,50 @@ def test_the_step_acts_on_this_passes_gathered_verdict_without_a_collective(
     step.agreement.mark_iteration()
     step.run()
     assert step.calls == expected  # no "all-reduce"
+
+
+@pytest.mark.parametrize(("kind", "expected"), [
+    (StepKind.SHRINK, ["shrink to 2 off"]),
+    (StepKind.GROW, ["scale-up off"]),
+])
+def test_an_abort_drops_the_step_that_was_called_off(
+    step: SimpleNamespace, kind: StepKind, expected: list[str]
+) -> None:
+    called_off = Proposal(rank=1, kind=kind, ready=0, target=2, serving=4,
+                          abort=AbortReason.TIMED_OUT)
+    mine = Proposal(rank=0, kind=StepKind.NONE, ready=0, target=0, serving=4)
+    step.agreement.finish(AgreedRound(verdict_from_proposals([mine, called_off]), mine))
+    step.agreement.mark_iteration()
+    step.run()
+    assert step.calls == expected
+
+
+def test_the_all_reduce_fallback_tells_a_rank_which_step_another_called_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sglang_elastic_ep.sglang import expert_health, gather_agreement
+
+    mine = Proposal(rank=0, kind=StepKind.NONE, ready=0, target=0, serving=3)
+    monkeypatch.setattr(gather_agreement, "propose", lambda state, runner, batch_idle: mine)
+    monkeypatch.setattr(expert_health, "local_contribution", lambda rank, size: [0, 0])
+    taken: list[list[int]] = []
+    monkeypatch.setattr(expert_health, "expert_health_state",
+                        lambda state: SimpleNamespace(take_gathered=taken.append))
+
+    def all_reduce(tensor: torch.Tensor, op: object, group: object) -> None:
+        # Another rank drains a scale-down to 2 and calls it off (timed out).
+        other = torch.tensor([0, 0, 2, int(AbortReason.TIMED_OUT), int(StepKind.SHRINK), 7, 1])
+        tensor.copy_(torch.maximum(tensor, other))
+
+    monkeypatch.setattr(gather_agreement.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(gather_agreement.dist, "group", SimpleNamespace(WORLD=None))
+    state = SimpleNamespace(active_ranks=torch.ones(3))
+    agreed = gather_agreement.agree_by_all_reduce(state, runner=None)
+    assert agreed.verdict is LockstepVerdict.ABORT
+    (called_off,) = agreed.outcome.proposals
+    assert (called_off.kind, called_off.target, called_off.abort) == (
+        StepKind.SHRINK, 2, AbortReason.TIMED_OUT)
+    assert taken == [[7, 1]]  # the timings after the five agreement columns
 
 
 def test_a_scale_up_failed_by_upstream_on_this_rank_alone_is_logged_by_it(

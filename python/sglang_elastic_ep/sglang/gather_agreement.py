@@ -293,12 +293,17 @@ def agree_by_all_reduce(state: Any, runner: Any) -> AgreedRound:
     proposal = propose(state, runner, batch_idle=True)
     timings = expert_health.local_contribution(proposal.rank, int(state.active_ranks.numel()))
     reduced = torch.tensor([proposal.ready, -proposal.ready, proposal.target,
-                            int(proposal.abort), *timings], dtype=torch.int64)
+                            int(proposal.abort), int(proposal.kind), *timings],
+                           dtype=torch.int64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-    expert_health.expert_health_state(state).take_gathered(reduced[4:].tolist())
+    expert_health.expert_health_state(state).take_gathered(reduced[5:].tolist())
     if int(reduced[3]):  # some rank calls the pending step off: every rank drops it
         reason = AbortReason(int(reduced[3]))
-        return AgreedRound(GatheredRound(LockstepVerdict.ABORT, (proposal,),
+        # The step and target called off, as the aborting rank proposed them (one step is
+        # pending at a time): a rank that has not read the request learns what was dropped.
+        called_off = Proposal(rank=proposal.rank, kind=StepKind(int(reduced[4])), ready=0,
+                              target=int(reduced[2]), serving=proposal.serving, abort=reason)
+        return AgreedRound(GatheredRound(LockstepVerdict.ABORT, (called_off,),
                                          f"called off ({reason.name.lower()})", abort=reason),
                            proposal)
     verdict = lockstep_verdict(int(reduced[0]), -int(reduced[1]), int(reduced[2]))
