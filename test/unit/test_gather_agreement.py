@@ -319,8 +319,9 @@ def test_each_change_is_proposed_as_its_step(proposing: SimpleNamespace,
     from sglang_elastic_ep.sglang.scale_down import scale_down_state
 
     def state(pending: int | None) -> SimpleNamespace:
+        mask = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
         return SimpleNamespace(pending_ep_size=pending, effective_ep_size=3,
-                               active_ranks_cpu=torch.tensor([1, 1, 1, 0], dtype=torch.int32))
+                               active_ranks=mask.clone(), active_ranks_cpu=mask)
 
     propose = gather_agreement.propose
     assert propose(state(None), proposing, batch_idle=True) == Proposal(2, StepKind.NONE, 0, 0, 3)

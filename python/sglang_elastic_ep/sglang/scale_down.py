@@ -72,11 +72,11 @@ class ScaleDownState:
 
     def abort_reason(self, state: Any, now: float) -> AbortReason:
         """Whether this rank calls the pending scale-down off this pass (the timeout, or a
-        staying rank the mask shows failed: read from the host copy, no device sync)."""
+        staying rank the mask shows failed: read through its host mirror, no device sync)."""
         machine = self.machine
         if machine is None or not machine.draining:
             return AbortReason.NONE
-        mask = state.active_ranks_cpu.tolist()
+        mask = tail_recovery.live_mask(state)
         failed = frozenset(r for r in range(min(machine.new_size, len(mask))) if not mask[r])
         return machine.abort_reason(now, failed_ranks=failed)
 

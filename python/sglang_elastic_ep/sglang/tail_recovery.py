@@ -71,7 +71,9 @@ def tail_recovery_state(state: Any) -> TailRecoveryState:
     return attached_state(state, _STATE_ATTR, TailRecoveryState)
 
 
-def _live_mask(state: Any) -> list[int]:
+def live_mask(state: Any) -> list[int]:
+    """1 for each EP slot that is active by both the device mask (through its host mirror) and
+    upstream's host copy, else 0."""
     # Mooncake clears a rank in active_ranks when it stops answering; the host copy lags until
     # the next sync. Either one marks the rank failed (upstream's recovery reads both the same
     # way). active_ranks is read through its host mirror: on a GPU the mirror folds in an
@@ -92,7 +94,7 @@ def contraction_target(state: Any, runner: Any) -> int:
         return 0
     if state.scale_phase == RECOVERY_UNSUPPORTED:
         return 0
-    tail = failed_tail(_live_mask(state), state.effective_ep_size, state.original_ep_size)
+    tail = failed_tail(live_mask(state), state.effective_ep_size, state.original_ep_size)
     if tail is None:
         return 0
     problem = tail.problem or _uncovered_without(tail.first, state.effective_ep_size)
@@ -107,7 +109,7 @@ def failed_tail_to_let_go(state: Any) -> bool:
     of: their slots leave the layout, and EPLB rebalances the smaller one afterwards."""
     if state.pending_ep_size is not None or not state.has_scaled:
         return False
-    tail = failed_tail(_live_mask(state), state.effective_ep_size, state.original_ep_size)
+    tail = failed_tail(live_mask(state), state.effective_ep_size, state.original_ep_size)
     return tail is not None and tail.problem is None
 
 
