@@ -119,6 +119,10 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
     from sglang.srt.elastic_ep.topology import attn_replica_size, physical_ep_size_to_dp_size
 
     update_dp_attention_for_elastic_ep(physical_ep_size=target, physical_ep_rank=rank)
+    # The decode graphs were captured for the old DP size: re-capture them for the new one, as
+    # upstream does at a scale-up's commit (the staying ranks together, over the shrunk WORLD;
+    # nothing to do without CUDA graphs).
+    runner._recapture_elastic_cuda_graphs()
     if runner.eplb_manager is not None:
         runner.eplb_manager.reset_generator()
         runner._rearm_eplb_after_elastic_scale()
