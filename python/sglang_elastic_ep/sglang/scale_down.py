@@ -82,9 +82,9 @@ class ScaleDownState:
 
     def is_late_drain_confirmation(self, state: Any, new_ep_size: int) -> bool:
         """The HTTP process's drain confirmation reached this scheduler only after the commit
-        (``ScaleDownMachine.answers_late_confirmation``). Seen before it was recognised: the
-        late confirmation was taken for a new request to the current size, refused, and the
-        committed scale-down was reported failed."""
+        (``ScaleDownMachine.answers_late_confirmation``): it is answered as done, not taken for
+        a new request to the current size (refused, that would report the committed
+        scale-down as failed)."""
         return (self.machine is not None and self.machine.answers_late_confirmation(new_ep_size)
                 and state.pending_ep_size is None and state.effective_ep_size == new_ep_size)
 

@@ -6,8 +6,8 @@ and the ports SGLang derives from it (its ``--port`` + 233..238) are bound later
 scheduler; a replacement is relaunched on the same ports as the rank it replaces. Taken in the
 meantime, they fail its start-up with "scheduler_input_port ... is used by a process already".
 Mooncake's transfer engine binds its RPC and TCP transport listeners on random ports of
-15000..17000 (``findAvailableTcpPort``) in every rank: those are left out too (seen: a
-cluster's ``--dist-init-addr`` port picked there was taken when its store started).
+15000..17000 (``findAvailableTcpPort``) in every rank: a port picked there may be taken before
+the server binds it, so those are left out too.
 """
 
 from __future__ import annotations
