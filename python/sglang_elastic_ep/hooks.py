@@ -136,6 +136,10 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.gather_agreement:append_blank_columns", "AROUND",
          "rows no rank wrote (and inactive ranks' rows) must be as wide as the others and "
          "carry no proposal"),
+    Hook(f"{S}distributed.parallel_state.init_distributed_environment",
+         "sglang.world_registration:init_distributed_environment", "AROUND",
+         "Mooncake refuses a WORLD registration shorter than the longest rank order it reached:"
+         " after a shrink a scale joiner registers for that size, not its top slot + 1"),
     Hook(f"{EEP}._try_recover_world", "sglang.world_view:admit_then_wait_for_view", "AROUND",
          "Mooncake applies an admission's view in the background; the next collective "
          "(the expert-map broadcast) must not start on a rank still on the old view"),

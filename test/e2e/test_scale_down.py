@@ -39,7 +39,7 @@ The long chain's steps:
 5. 4 -> 2 with a long request on shard 2: ranks 2 and 3 become ``safe_to_terminate`` together
    and both servers exit 0.
 6. 2 -> 3 -> 4 with new joiners into both freed slots. Mooncake keeps WORLD at the four ranks
-   it reached; the slot-2 joiner registers for four (cpu/mooncake_cpu.py), else Mooncake
+   it reached; the slot-2 joiner registers for four (sglang/world_registration.py), else Mooncake
    refuses it.
 7. 4 -> 3 with a long request on shard 3; its server exits 0.
 8. 3 -> 1 is refused with 422 (attention DP needs two DP ranks; upstream asserts it every
@@ -293,6 +293,10 @@ def test_shrink_and_regrow_between_2_and_3_under_load(tiny_model: Path) -> None:
             # 3. 2 -> 3 into the freed slot: the CLI's POST first, then the joiner.
             again2, _ = grow_with_the_cli(cluster, 3, "grow-again", rank_offset=2)
             wait_each_shard_serves(load, [0, 1, 2], SERVES_S, logs={2: again2.log_path})
+            # It read the largest WORLD so far (3, raised by the first joiner) from the
+            # rendezvous store before registering: after a larger shrink it would need it.
+            assert ("the largest WORLD so far is 3: registers for 3"
+                    in again2.log_path.read_text(errors="replace"))
 
             # 4. 3 -> 1 is refused (attention DP needs two DP ranks) and changes nothing;
             # 3 -> 2 then needs no move: ranks 0 and 1 hold every expert.
@@ -370,7 +374,8 @@ def test_shrink_and_regrow_between_2_and_4_under_load(tiny_model: Path) -> None:
             regrown2 = cluster.start_joiner("scale", rank_offset=2)
             assert scale(url, 3, "regrow-to-3").status_code == 200
             succeeded(url, "regrow-to-3", 3)
-            assert "registers for 4, not 3" in regrown2.log_path.read_text(errors="replace")
+            registered = "needs 3 ranks, the largest WORLD so far is 4: registers for 4"
+            assert registered in regrown2.log_path.read_text(errors="replace")
             assert scale(url, 4, "regrow-to-4").status_code == 200
             regrown3 = cluster.start_joiner("scale", rank_offset=3)
             succeeded(url, "regrow-to-4", 4, timeout_s=JOIN_BESIDE_THREE_TIMEOUT_S)

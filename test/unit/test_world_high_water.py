@@ -1,5 +1,6 @@
-"""A scale joiner registers for the largest WORLD so far (cpu/mooncake_cpu.py): Mooncake keeps
-WORLD's longest rank order after a scale-down and refuses a shorter registration."""
+"""A scale joiner registers for the largest WORLD so far (sglang/world_registration.py, any
+device): Mooncake keeps WORLD's longest rank order after a scale-down and refuses a shorter
+registration."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from sglang_elastic_ep_testbed.cluster.procs import free_port
-from sglang_elastic_ep_testbed.cpu.mooncake_cpu import (
+from sglang_elastic_ep.sglang.world_registration import (
     joiner_world_size,
     raise_world_high_water,
     read_world_high_water,
+    rendezvous_store,
 )
+from sglang_elastic_ep_testbed.cluster.procs import free_port
 
 
 @pytest.fixture
@@ -47,3 +49,45 @@ def test_a_client_sees_what_another_raised(store: TCPStore) -> None:
     client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
     raise_world_high_water(client, 4)
     assert read_world_high_water(store) == 4
+
+
+def test_a_joiner_reaches_the_rendezvous_store_by_its_init_method(store: TCPStore) -> None:
+    raise_world_high_water(store, 4)
+    client = rendezvous_store(f"tcp://127.0.0.1:{store.port}")
+    assert client is not None
+    assert read_world_high_water(client) == 4
+
+
+def test_an_unreachable_store_leaves_the_joiner_at_its_own_size() -> None:
+    assert rendezvous_store(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.5) is None
+    assert rendezvous_store("env://") is None
+
+
+def _register(monkeypatch: pytest.MonkeyPatch, store: TCPStore, *, joiner: bool, asked: int
+              ) -> int:
+    """Run the hook around a stand-in for upstream: the WORLD size it registered for."""
+    from sglang_elastic_ep.sglang import world_registration
+
+    monkeypatch.setattr(world_registration, "_is_mooncake_scale_joiner", lambda backend: joiner)
+    seen: dict[str, int] = {}
+
+    def upstream(**kwargs: object) -> None:
+        seen["world_size"] = int(kwargs["world_size"])  # type: ignore[call-overload]
+
+    world_registration.init_distributed_environment(
+        upstream, backend="mooncake", world_size=asked, rank=asked - 1,
+        distributed_init_method=f"tcp://127.0.0.1:{store.port}")
+    return seen["world_size"]
+
+
+def test_the_hook_raises_a_joiner_to_the_high_water_and_keeps_it(
+        monkeypatch: pytest.MonkeyPatch, store: TCPStore) -> None:
+    assert _register(monkeypatch, store, joiner=True, asked=4) == 4  # 2 -> 4: two joiners
+    assert _register(monkeypatch, store, joiner=True, asked=3) == 4  # after 4 -> 2, slot 2
+    assert read_world_high_water(store) == 4
+
+
+def test_the_hook_leaves_launch_ranks_alone(monkeypatch: pytest.MonkeyPatch, store: TCPStore
+                                            ) -> None:
+    raise_world_high_water(store, 4)
+    assert _register(monkeypatch, store, joiner=False, asked=2) == 2

@@ -42,9 +42,7 @@ HOOKS: tuple[Hook, ...] = (
               "options"),
     _cpu_hook("torch.distributed.distributed_c10d.init_process_group",
               "cpu.mooncake_cpu:init_process_group", "AROUND",
-              "upstream builds Mooncake WORLD options with a CUDA tensor; CPU builds them on CPU; "
-              "a scale joiner asks for the largest WORLD so far (Mooncake keeps it after a "
-              "shrink)"),
+              "upstream builds Mooncake WORLD options with a CUDA tensor; CPU builds them on CPU"),
     _cpu_hook("torch.distributed.distributed_c10d.new_group", "cpu.mooncake_cpu:new_group",
               "AROUND", "GroupCoordinator hard-codes backend='mooncake' (CUDA) for device groups"),
     _cpu_hook(f"{S}layers.attention.torch_native_backend.TorchNativeAttnBackend.__init__",

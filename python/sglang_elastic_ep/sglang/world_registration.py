@@ -1,0 +1,110 @@
+"""A scale joiner registers for the largest WORLD Mooncake reached, on any device.
+
+Mooncake's WORLD grows append-only and keeps its longest rank order: a scale-down deactivates
+ranks but never shortens it. A registration attaches when its rank order equals the group's, or
+extends it when the group's is a proper prefix; a shorter one is refused ("no
+append-compatible extension target") and the joiner's scheduler dies at start-up. Upstream's
+joiner asks for a WORLD of its top slot + 1, so after 4 -> 2 a joiner for slot 2 asks for 3.
+Here it asks for the larger of that and the largest WORLD so far, kept under one key in the
+rendezvous store every rank of the deployment already uses (rank 0 hosts it), and raises that
+key once registered. The same code runs for the CUDA ``mooncake`` backend and the CPU
+testbed's ``mooncake-cpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+from sglang_elastic_ep.sglang.operation_log import get_logger
+
+logger = get_logger(__name__)
+
+WORLD_HIGH_WATER_KEY = "sglang_eep/world_high_water"
+STORE_TIMEOUT_S = 10.0
+
+
+class KeyValueStore(Protocol):
+    """The part of ``torch.distributed.Store`` this module uses."""
+
+    def check(self, keys: list[str]) -> bool: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes: ...
+
+
+def joiner_world_size(asked: int, high_water: int | None) -> int:
+    """The WORLD size a scale joiner registers for: its own need, or the largest WORLD so far
+    when that is larger (a registration shorter than WORLD's rank order is refused)."""
+    return max(asked, high_water or 0)
+
+
+def read_world_high_water(store: KeyValueStore) -> int | None:
+    if not store.check([WORLD_HIGH_WATER_KEY]):
+        return None
+    return int(store.get(WORLD_HIGH_WATER_KEY).decode())
+
+
+def raise_world_high_water(store: KeyValueStore, size: int) -> None:
+    """Set the key to ``max(key, size)`` atomically (several joiners may register together)."""
+    desired = str(size).encode()
+    while True:
+        current = read_world_high_water(store)
+        if current is not None and current >= size:
+            return
+        expected = b"" if current is None else str(current).encode()
+        if store.compare_set(WORLD_HIGH_WATER_KEY, expected, desired) == desired:
+            return
+
+
+def rendezvous_store(init_method: str, timeout_s: float = STORE_TIMEOUT_S
+                     ) -> KeyValueStore | None:
+    """A client of the TCPStore behind ``tcp://host:port`` (the deployment's rendezvous, hosted
+    by rank 0), or None when it cannot be reached: the joiner then asks for its own size, as
+    upstream does."""
+    from torch.distributed import TCPStore
+
+    if not init_method.startswith("tcp://"):
+        return None
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    try:
+        return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - registering at upstream's size still works first time
+        logger.warning("[elastic-ep] rendezvous store %s unreachable (%s): this joiner asks for "
+                       "its own WORLD size", init_method, exc)
+        return None
+
+
+def _is_mooncake_scale_joiner(backend: str) -> bool:
+    from sglang.srt.runtime_context import get_exec
+
+    moe = get_exec().moe
+    return bool(moe.elastic_ep_backend == "mooncake" and moe.is_ep_scale_joiner
+                and backend.startswith("mooncake"))
+
+
+def init_distributed_environment(original: Callable[..., Any], *args: Any, **kwargs: Any
+                                 ) -> Any:
+    """AROUND ``parallel_state.init_distributed_environment``: a Mooncake scale joiner's WORLD
+    size becomes ``max(its own, the largest so far)`` before WORLD registers."""
+    backend = str(kwargs.get("backend", ""))
+    init_method = kwargs.get("distributed_init_method")
+    if args or not init_method or not _is_mooncake_scale_joiner(backend):
+        return original(*args, **kwargs)
+    store = rendezvous_store(str(init_method))
+    if store is None:
+        return original(*args, **kwargs)
+    asked = int(kwargs["world_size"])
+    high_water = read_world_high_water(store)
+    kwargs["world_size"] = joiner_world_size(asked, high_water)
+    # One line per joiner: which size it registered for, and why when not its own.
+    logger.info("[elastic-ep] WORLD registration: this joiner needs %d ranks, the largest WORLD "
+                "so far is %s: registers for %d%s", asked, high_water or "none yet",
+                kwargs["world_size"],
+                "" if kwargs["world_size"] == asked
+                else " (Mooncake only attaches to the same rank order)")
+    result = original(*args, **kwargs)
+    raise_world_high_water(store, int(kwargs["world_size"]))
+    return result
