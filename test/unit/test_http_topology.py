@@ -82,15 +82,43 @@ def test_a_leaving_shard_going_inactive_is_no_failure_and_drain_stragglers_end_w
     router.track(2, "slow", tm.rid_to_state)
     router.leaving = frozenset({2})
 
-    tokenizer_hooks.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
-    assert [e.type for e in plane.events.since(0).events] == ["scale_requested"]
-    assert aborted == []
-
     engine = UpstreamEngine(tm, adapter)
     assert engine._end_drain_stragglers(frozenset({2})) == 1
     (abort,) = aborted
     assert abort.rid == "slow" and abort.finished_reason["status_code"] == 503
     assert "--elastic-ep-drain-timeout (7 s)" in abort.abort_message
+    del tm.rid_to_state["slow"]  # what the abort does
+
+    # Released once drained: its going inactive loses nothing and fails nothing.
+    tokenizer_hooks.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
+    assert [e.type for e in plane.events.since(0).events] == ["scale_requested"]
+    assert len(aborted) == 1 and router.leaving_down == frozenset({2})
+
+
+def test_a_leaving_shard_that_dies_mid_drain_ends_its_requests_with_503_at_once() -> None:
+    """Shard 2 drains and goes inactive while it still runs a request: it died (a released
+    shard holds none). The request ends at once with the lost-with-shard 503, not at the drain
+    timeout; being a leaving shard, it raises no rank_failed."""
+    from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+    from sglang_elastic_ep.core.api_models import ScaleRequest
+    from sglang_elastic_ep.core.validation import ScaleTopology
+
+    plane = InProcessControlPlane(
+        topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=3
+    )
+    asyncio.run(plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="shrink")))
+    adapter = HttpAdapterState(plane=plane)
+    aborted: list[object] = []
+    tm = SimpleNamespace(attn_replica_size=1, rid_to_state={"slow": object()},
+                         _handle_abort_req=aborted.append)
+    attach_adapter_state(tm, adapter)
+    adapter.router.track(2, "slow", tm.rid_to_state)
+    adapter.router.leaving = frozenset({2})
+    tokenizer_hooks.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
+    (abort,) = aborted
+    assert abort.rid == "slow" and abort.finished_reason["status_code"] == 503
+    assert "failed before it finished" in abort.abort_message
+    assert [e.type for e in plane.events.since(0).events] == ["scale_requested"]
 
 
 class FakeTokenizerManager:
@@ -185,3 +213,21 @@ def test_control_plane_is_the_one_mounted_on_the_servers_tokenizer_manager(
     plane = object()
     attach_adapter_state(tm, HttpAdapterState(plane=plane))
     assert control_plane() is plane
+
+
+def test_a_drain_confirmation_awaits_only_the_live_schedulers() -> None:
+    """A leaving shard that died mid-drain cannot answer the confirmation: only the live
+    schedulers are awaited, and the fan-out is restored after (the commit sets its own)."""
+    ok = SimpleNamespace(success=True, message="drain confirmed")
+    tm = FakeTokenizerManager(ok)
+    tm.scale_elastic_ep_communicator = lambda obj: asyncio.sleep(0, [ok, ok])
+    adapter = HttpAdapterState(plane=None)
+    engine = UpstreamEngine(tm, adapter)
+    adapter.router.leaving = frozenset({2})
+    adapter.router.mark_down({2}, in_flight=set())
+    op = SimpleNamespace(new_ep_size=2, operation_id="shrink")
+    asyncio.run(engine._confirm_drain(op))
+    assert tm.fan_outs == [2, 3]
+    adapter.router.forget([2])
+    asyncio.run(engine._confirm_drain(op))  # every shard alive: the fan-out is left alone
+    assert tm.fan_outs == [2, 3]

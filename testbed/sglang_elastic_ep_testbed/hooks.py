@@ -36,10 +36,6 @@ class ImportShim:
 HOOKS: tuple[Hook, ...] = (
     _cpu_hook(f"{S}distributed.bootstrap._resolve_backend", "cpu.mooncake_cpu:resolve_backend",
               "AFTER", "upstream picks the mooncake backend only on CUDA; CPU: mooncake-cpu"),
-    _cpu_hook(f"{S}distributed.parallel_state.init_distributed_environment",
-              "cpu.mooncake_cpu:init_distributed_environment", "AROUND",
-              "remembers max_world_size/recovered_rank so WORLD on mooncake-cpu gets elastic "
-              "options"),
     _cpu_hook("torch.distributed.distributed_c10d.init_process_group",
               "cpu.mooncake_cpu:init_process_group", "AROUND",
               "upstream builds Mooncake WORLD options with a CUDA tensor; CPU builds them on CPU"),

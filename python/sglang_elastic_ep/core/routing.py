@@ -20,6 +20,7 @@ PRUNE_AT = 4096  # tracked ids per shard before finished ones are dropped
 class LiveShardRouter:
     down: frozenset[int] = frozenset()
     leaving: frozenset[int] = frozenset()  # a scale-down drains them: no new requests
+    leaving_down: frozenset[int] = frozenset()  # leaving shards that died before the release
     _next: int = 0
     _by_shard: dict[int, list[str]] = field(default_factory=dict)
 
@@ -41,14 +42,25 @@ class LiveShardRouter:
     def mark_down(self, shards: set[int], in_flight: Container[str]) -> dict[int, list[str]]:
         """Record the shards that are down now; returns the still-running requests of each
         shard that just went down (those are lost with it). Leaving shards go inactive on
-        purpose (a scale-down releases them): not down, nothing lost."""
-        shards = set(shards) - self.leaving
+        purpose (a scale-down releases them): not down. A released one holds no request (its
+        drain ended before the release), so any it still runs died with it mid-drain: those
+        are returned too, once each."""
+        shards = set(shards)
+        self.leaving_down = frozenset(shards & self.leaving)
+        lost_leaving = {}
+        for shard in sorted(shards & self.leaving):
+            running = [r for r in self._by_shard.get(shard, []) if r in in_flight]
+            if running:
+                self._by_shard[shard] = [r for r in self._by_shard[shard] if r not in running]
+                lost_leaving[shard] = running
+        shards -= self.leaving
         newly_down = sorted(shards - self.down)
         self.down = frozenset(shards)
-        return {
+        lost = {
             shard: [r for r in self._by_shard.pop(shard, []) if r in in_flight]
             for shard in newly_down
         }
+        return lost | lost_leaving
 
     def still_running(
         self, shards: Iterable[int], in_flight: Container[str]
@@ -66,3 +78,4 @@ class LiveShardRouter:
             self._by_shard.pop(shard, None)
         self.down = self.down - gone
         self.leaving = self.leaving - gone
+        self.leaving_down = self.leaving_down - gone

@@ -139,15 +139,26 @@ class UpstreamEngine:
 
     async def _confirm_drain(self, op: Operation) -> None:
         """Every request routed to a leaving shard has ended: say so to the schedulers (the
-        same request again, past upstream's pending check), so a leaving rank can commit."""
+        same request again, past upstream's pending check), so a leaving rank can commit.
+        A leaving shard that died during the drain cannot answer: only the live ones are
+        awaited (the others commit without it: its gather row is blank)."""
         from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
 
-        answers = await asyncio.wait_for(
-            self._tm.scale_elastic_ep_communicator(
-                ScaleElasticEPReqInput(new_ep_size=op.new_ep_size, rid=op.operation_id)
-            ),
-            SCHEDULER_ANSWER_TIMEOUT_S,
-        )
+        workers = int(self._tm.elastic_worker_count)
+        dead = self._router.leaving_down
+        live = sum(1 for shard in range(workers) if shard not in dead)
+        if live != workers:
+            self._tm.update_control_communicator_fan_out(live)
+        try:
+            answers = await asyncio.wait_for(
+                self._tm.scale_elastic_ep_communicator(
+                    ScaleElasticEPReqInput(new_ep_size=op.new_ep_size, rid=op.operation_id)
+                ),
+                SCHEDULER_ANSWER_TIMEOUT_S,
+            )
+        finally:
+            if live != workers:  # the commit sets the new size's fan-out itself
+                self._tm.update_control_communicator_fan_out(int(self._tm.elastic_worker_count))
         refused = [a.message for a in answers if not a.success]
         if refused:
             raise RuntimeError(f"drain confirmation refused: {refused[0]}")

@@ -53,7 +53,21 @@ def test_leaving_shards_get_no_new_requests_and_their_running_ones_are_known() -
     assert {router.pick(3) for _ in range(6)} == {0, 1}
     assert router.still_running([2], in_flight={"a", "c"}) == {2: ["c"]}
     assert router.still_running([2], in_flight={"a"}) == {2: []}
-    assert router.mark_down({2}, in_flight={"c"}) == {} and router.down == frozenset()
+    assert router.mark_down({2}, in_flight=set()) == {} and router.down == frozenset()
     router.forget([2])
     assert router.leaving == frozenset() and router.still_running([2], {"c"}) == {2: []}
     assert [router.pick(2) for _ in range(2)] in ([0, 1], [1, 0])
+
+
+def test_a_leaving_shard_that_dies_mid_drain_takes_its_running_requests_with_it() -> None:
+    router = LiveShardRouter()
+    for rid, shard in (("a", 0), ("b", 2), ("c", 2)):
+        router.track(shard, rid, in_flight=set())
+    router.leaving = frozenset({2})
+    assert router.mark_down({2}, in_flight={"a", "c"}) == {2: ["c"]}  # "b" had finished
+    assert router.down == frozenset()  # leaving, not down: no fault handling, no recovery
+    assert router.leaving_down == frozenset({2})  # its scheduler will not answer
+    assert router.mark_down({2}, in_flight={"a", "c"}) == {}  # each lost request once
+    assert router.still_running([2], in_flight={"a", "c"}) == {2: []}  # the drain is over
+    router.forget([2])
+    assert router.leaving_down == frozenset()

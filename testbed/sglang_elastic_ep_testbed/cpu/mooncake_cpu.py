@@ -10,20 +10,13 @@ from our flags (propagated to child processes through the environment).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 from sglang_elastic_ep.sglang.args import ENV_COLLECTIVE_TIMEOUT, ENV_FAULT_WINDOW
 
-logger = logging.getLogger(__name__)
-
 LOOPBACK = "127.0.0.1"
-
-
-# init_distributed_environment's arguments that init_process_group needs but is not given.
-_world_options: dict[str, Any] = {}
 
 
 def _mooncake_on_cpu() -> bool:
@@ -37,13 +30,6 @@ def resolve_backend(result: str, *args: Any, device: str, **kwargs: Any) -> str:
     if device == "cpu" and _mooncake_on_cpu():
         return "mooncake-cpu"
     return result
-
-
-def init_distributed_environment(original: Callable, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``init_distributed_environment``: remember the elastic sizing for WORLD."""
-    _world_options["recovered_rank"] = bool(kwargs.get("recovered_rank", False))
-    _world_options["max_world_size"] = kwargs.get("max_world_size")
-    return original(*args, **kwargs)
 
 
 def apply_process_settings() -> None:
@@ -65,9 +51,11 @@ def world_options(world_size: int) -> Any:
     """Mooncake options for WORLD: an active-rank mask sized for the largest world."""
     import torch
     from mooncake.pg import MooncakeBackendOptions
+    from sglang.srt.runtime_context import get_exec, get_parallel
 
-    max_world = _world_options.get("max_world_size")
-    recovered = _world_options.get("recovered_rank", False)
+    # What bootstrap hands init_distributed_environment (which builds these only for CUDA).
+    max_world = get_parallel().max_ep_size
+    recovered = bool(get_exec().moe.is_ep_joiner)
     use_max = bool(max_world and max_world > world_size)
     active = torch.zeros(max_world if use_max else world_size, dtype=torch.int32)
     active[:world_size] = 1

@@ -1,0 +1,164 @@
+"""Ranks killed with SIGKILL while a scale-down drains (docs/operations.md, "Scale down").
+
+One cluster: two launch ranks, one node each (NIXL EP, ``--max-ep-size 4``, every expert on
+every rank), a steady greedy load, and a scale joiner for slot 2.
+1. 2 -> 3 (joiner A).
+2. 3 -> 2 while a long request runs on shard 2 (the leaving one); joiner A is killed mid-drain.
+   The promise: the long request ends at once with HTTP 503 and a message (not at the drain
+   timeout), the scale-down goes through without the dead rank (its slot is released, listed
+   safe to terminate, no ``rank_failed``: it was leaving), and serving goes on on two ranks.
+3. 2 -> 3 again into that slot (joiner B): the fault left nothing behind.
+4. 3 -> 2 while a long request runs on shard 2; node 1 (rank 1, a staying rank) is killed
+   mid-drain. The promise: every rank calls the scale-down off on one agreed pass (the release
+   would hand rank 1's slots to a dead rank), the operation fails naming the staying rank, the
+   size stays 3 with rank 1 failed, shard 2 takes requests again and the long request
+   completes with every token.
+Throughout, no request fails except those a killed rank was running (503 with a message), and
+every completed request decoded the reference tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
+from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
+from sglang_elastic_ep_testbed.cluster.load import greedy_reference
+from sglang_elastic_ep_testbed.cluster.observe import (
+    operation_events,
+    post_scale,
+    sse_events,
+    wait_each_shard_serves,
+    wait_operation,
+    wait_status,
+)
+from sglang_elastic_ep_testbed.cluster.plans import (
+    CHANGE_S,
+    FAULT_SEEN_S,
+    SERVES_S,
+    assert_only_killed_requests_lost,
+)
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
+
+LONG_TOKENS = 160  # long enough to be running when the rank is killed
+DRAIN_TIMEOUT_S = 400  # far above the fault detection: a 503 by the drain timeout is told apart
+LOAD_CLIENTS = 2
+LOST_WITH_SHARD = "failed before it finished"
+
+
+def long_request(url: str, shard: int, running: threading.Event) -> dict:
+    """A long greedy request pinned to ``shard``, streamed; its last chunk."""
+    body = {"text": "a long answer", "routed_dp_rank": shard, "stream": True,
+            "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 0,
+                                "ignore_eos": True}}
+    last: dict = {}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=DRAIN_TIMEOUT_S + 200) as resp:
+        if resp.status_code != 200:
+            return {"status": resp.status_code, "error": resp.read().decode(errors="replace")}
+        for line in resp.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                last = json.loads(line[5:])
+                running.set()
+    return last
+
+
+def states(status: dict) -> list[str]:
+    return [r["state"] for r in status["ranks"]]
+
+
+def drain_then(url: str, operation_id: str, fault: Callable[[], None]
+               ) -> tuple[Future[dict], float]:
+    """POST 3 -> 2 while a long request runs on shard 2, then run ``fault`` once the
+    scale-down drains. The long request's future and when the fault ran."""
+    running = threading.Event()
+    pool = ThreadPoolExecutor(1)
+    on_shard_2 = pool.submit(long_request, url, 2, running)
+    pool.shutdown(wait=False)
+    wait_until(lambda: running.is_set() or on_shard_2.done(), SERVES_S,
+               "the long request running on shard 2", poll_s=0.1)
+    assert running.is_set(), on_shard_2.result()
+    post_scale(url, 2, operation_id)
+    wait_status(url, lambda s: s if s["phase"] == "draining" else None, 60,
+                f"{operation_id} draining")
+    assert not on_shard_2.done(), on_shard_2.result()
+    killed_at = time.monotonic()
+    fault()
+    return on_shard_2, killed_at
+
+
+def grow_to_3(cluster: LocalCluster, operation_id: str) -> ServerProcess:
+    joiner = cluster.start_joiner("scale", rank_offset=2)
+    post_scale(cluster.url, 3, operation_id)
+    done = wait_operation(cluster.url, operation_id, CHANGE_S)
+    assert done["result"] == "succeeded", done
+    return joiner
+
+
+@pytest.mark.timeout(1800)
+def test_leaving_and_staying_ranks_killed_mid_drain(tiny_model: Path) -> None:
+    spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, nodes=2, moe_a2a_backend="nixl",
+                       extra_args=["--ep-num-redundant-experts", "16",
+                                   "--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S)])
+    with LocalCluster(spec) as cluster:
+        url = cluster.url
+        node1 = cluster.followers[1]
+        reference = greedy_reference(url)
+        load = LoadClient(url, concurrency=LOAD_CLIENTS, max_new_tokens=8).start()
+        kills: list[float] = []
+        try:
+            # 1. 2 -> 3.
+            joiner_a = grow_to_3(cluster, "grow-a")
+            wait_each_shard_serves(load, [0, 1, 2], SERVES_S,
+                                   logs={1: node1.log_path, 2: joiner_a.log_path})
+
+            # 2. The leaving rank dies mid-drain: its request ends with 503 at once, the
+            # scale-down goes through without it.
+            lost, killed_at = drain_then(url, "shrink-a",
+                                         lambda: cluster.kill_server(joiner_a))
+            kills.append(killed_at)
+            last = lost.result(timeout=FAULT_SEEN_S)
+            assert LOST_WITH_SHARD in json.dumps(last), last
+            done = wait_operation(url, "shrink-a", FAULT_SEEN_S)
+            assert done["result"] == "succeeded", done
+            after = wait_status(url, lambda s: s if s["effective_ep_size"] == 2 else None,
+                                FAULT_SEEN_S, "size 2")
+            assert states(after)[:3] == ["active", "active", "safe_to_terminate"], after
+            assert after["safe_to_terminate_ranks"] == [2], after
+            faults = [e for e in sse_events(url)
+                      if e["type"] in ("rank_failed", "recovery_required")]
+            assert not faults, faults
+            wait_each_shard_serves(load, [0, 1], SERVES_S, logs={1: node1.log_path})
+
+            # 3. The slot takes a new joiner.
+            joiner_b = grow_to_3(cluster, "grow-b")
+            wait_each_shard_serves(load, [0, 1, 2], SERVES_S,
+                                   logs={1: node1.log_path, 2: joiner_b.log_path})
+
+            # 4. A staying rank dies mid-drain: the scale-down is called off.
+            kept, killed_at = drain_then(url, "shrink-b", lambda: cluster.kill_node(1))
+            kills.append(killed_at)
+            called_off = wait_operation(url, "shrink-b", FAULT_SEEN_S)
+            assert called_off["result"] == "failed", called_off
+            assert "a staying rank failed during the drain" in called_off["error"], called_off
+            after = wait_status(
+                url, lambda s: s if states(s)[:3] == ["active", "failed", "active"] else None,
+                FAULT_SEEN_S, "ranks 0 and 2 active, rank 1 failed")
+            assert after["effective_ep_size"] == 3, after
+            last = kept.result(timeout=DRAIN_TIMEOUT_S)
+            assert "error" not in last, last
+            assert last["meta_info"]["completion_tokens"] == LONG_TOKENS, last
+            wait_each_shard_serves(load, [0, 2], SERVES_S, logs={2: joiner_b.log_path})
+        finally:
+            results = load.stop()
+        ops = operation_events(sse_events(url))
+        assert ops["shrink-a"] == ["scale_requested", "scale_committed", "safe_to_terminate"], ops
+        assert ops["shrink-b"][-1] == "scale_failed", ops
+        assert_only_killed_requests_lost(results, kills, reference, LOAD_CLIENTS)
