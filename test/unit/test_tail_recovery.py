@@ -7,7 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.core.phases import IllegalTransition, Phase
+from sglang_elastic_ep.core.tail_recovery_machine import (
+    COHORT_CHECK_INTERVAL_S,
+    ReplacementVerdict,
+    TailRecoveryMachine,
+)
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.upstream import RECOVERY_UNSUPPORTED
 
@@ -101,14 +106,71 @@ def test_the_gather_keeps_its_width_only_when_world_lost_a_member(
         tail_recovery.world_gather_width(upstream, 3, group=object())
 
 
-def test_the_size_to_return_to_is_kept_until_it_is_back() -> None:
-    st = SimpleNamespace(pending_ep_size=None, effective_ep_size=2)
+def _awaiting(first: int = 2, size: int = 3) -> TailRecoveryMachine:
+    machine = TailRecoveryMachine(first_failed=first, return_to=size, started_at=0.0)
+    machine.let_go(0.0)
+    return machine
+
+
+def test_the_replacement_is_awaited_until_the_old_size_is_back() -> None:
+    st = SimpleNamespace(pending_ep_size=None, effective_ep_size=2, last_error=None)
     recovery = tail_recovery.tail_recovery_state(st)
     assert tail_recovery.tail_recovery_state(st) is recovery
-    recovery.return_to = 3
+    assert not recovery.awaiting_replacement
+    recovery.machine = _awaiting()
     tail_recovery.note_committed(st)
-    assert recovery.return_to == 3  # still serving without the replacement
-    st.effective_ep_size = 3
+    assert recovery.awaiting_replacement  # still serving without the replacement
+    recovery.machine.readmission_requested(1.0)
+    st.pending_ep_size = 3
+    tail_recovery.note_committed(st)  # upstream admits it over a few passes
+    assert recovery.machine.phase is Phase.REJOINING
+    st.pending_ep_size, st.effective_ep_size = None, 3
     tail_recovery.note_committed(st)
-    assert recovery.return_to is None
-    assert tail_recovery.tail_recovery_state(SimpleNamespace()).return_to is None
+    assert recovery.machine.phase is Phase.SERVING_RECOVERED
+    assert not recovery.awaiting_replacement
+    assert not tail_recovery.tail_recovery_state(SimpleNamespace()).awaiting_replacement
+
+
+def test_a_failed_readmission_waits_for_the_next_replacement() -> None:
+    st = SimpleNamespace(pending_ep_size=None, effective_ep_size=2,
+                         last_error="Timed out waiting for ranks to join target EP size 3")
+    recovery = tail_recovery.tail_recovery_state(st)
+    recovery.machine = _awaiting()
+    recovery.machine.readmission_requested(1.0)
+    tail_recovery.note_committed(st)  # upstream's scale timeout failed the scale-up
+    assert recovery.machine.phase is Phase.AWAITING_REPLACEMENT
+    assert recovery.machine.check_due(100.0)  # and it looks again
+
+
+def test_the_machine_looks_for_the_replacement_at_most_every_interval() -> None:
+    machine = _awaiting()
+    assert machine.check_due(10.0)
+    assert not machine.check_due(10.0 + COHORT_CHECK_INTERVAL_S / 2)
+    assert machine.check_due(10.0 + COHORT_CHECK_INTERVAL_S)
+    machine.readmission_requested(11.0)
+    assert not machine.check_due(99.0)  # asked already: upstream's scale-up runs
+
+
+def test_only_a_new_process_registered_for_the_old_size_is_readmitted() -> None:
+    machine = _awaiting(first=2, size=4)
+    assert machine.failed_slots == range(2, 4)
+    assert machine.replacement_verdict(None, peers_joined=True) is ReplacementVerdict.NOT_YET
+    # The dead joiner's registration is still in the store: no new process in its slots yet.
+    assert machine.replacement_verdict(4, peers_joined=False) is ReplacementVerdict.NOT_YET
+    assert machine.replacement_verdict(4, peers_joined=True) is ReplacementVerdict.READMIT
+    assert machine.replacement_verdict(3, peers_joined=True) is ReplacementVerdict.WRONG_SIZE
+    assert "--ep-join-mode recover (size 4)" in machine.wrong_size_message(3)
+
+
+def test_removing_the_failed_slots_ends_the_wait_and_nothing_else_does() -> None:
+    machine = _awaiting()
+    machine.removed(5.0)
+    assert machine.phase is Phase.SERVING_CONTRACTED and not machine.awaiting_replacement
+    with pytest.raises(IllegalTransition):
+        machine.readmission_requested(6.0)
+    with pytest.raises(ValueError, match="first failed slot"):
+        TailRecoveryMachine(first_failed=3, return_to=3, started_at=0.0)
+    fresh = TailRecoveryMachine(first_failed=2, return_to=3, started_at=0.0)
+    assert fresh.phase is Phase.SERVING_DEGRADED
+    with pytest.raises(IllegalTransition):
+        fresh.removed(1.0)  # not let go of yet: the slots are still in the layout

@@ -39,6 +39,7 @@ class Role(str, enum.Enum):
 
     SCALE_DOWN_STAYING = "scale_down_staying"
     SCALE_DOWN_LEAVING = "scale_down_leaving"
+    RECOVERY_SURVIVOR = "recovery_survivor"  # of a failed tail of scale-joined ranks
 
 
 P = Phase
@@ -47,6 +48,7 @@ _F = P.FAILED
 INITIAL_PHASE: dict[Role, Phase] = {
     Role.SCALE_DOWN_STAYING: P.DRAINING,
     Role.SCALE_DOWN_LEAVING: P.DRAINING,
+    Role.RECOVERY_SURVIVOR: P.SERVING_DEGRADED,
 }
 
 # The release runs on one agreed pass; only the drain before it can be called off.
@@ -62,6 +64,12 @@ TRANSITIONS: dict[Role, dict[Phase, frozenset[Phase]]] = {
         P.MOVING_EXPERTS: frozenset({P.SWITCHING_PLACEMENT}),
         P.SWITCHING_PLACEMENT: frozenset({P.RELEASING}),
         P.RELEASING: frozenset({P.RELEASED}),
+    },
+    # A survivor of a failed scale-joined tail (core/tail_recovery_machine.py).
+    Role.RECOVERY_SURVIVOR: {
+        P.SERVING_DEGRADED: frozenset({P.AWAITING_REPLACEMENT}),
+        P.AWAITING_REPLACEMENT: frozenset({P.REJOINING, P.SERVING_CONTRACTED}),
+        P.REJOINING: frozenset({P.SERVING_RECOVERED, P.AWAITING_REPLACEMENT}),
     },
 }
 

@@ -184,7 +184,7 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     logger.info("[elastic-ep] scale request for EP size %d (effective %d, phase %s)",
                 new, state.effective_ep_size, state.scale_phase)
     if new == state.effective_ep_size \
-            and tail_recovery.tail_recovery_state(state).return_to is not None:
+            and tail_recovery.tail_recovery_state(state).awaiting_replacement:
         return tail_recovery.remove_failed_slots(scheduler, state, new)
     if down.is_late_drain_confirmation(state, new):
         return ScaleElasticEPReqOutput(

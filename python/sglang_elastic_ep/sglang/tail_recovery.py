@@ -31,6 +31,7 @@ import torch.distributed as dist
 from sglang_elastic_ep.core.membership import failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
+from sglang_elastic_ep.core.tail_recovery_machine import ReplacementVerdict, TailRecoveryMachine
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
@@ -43,18 +44,19 @@ from sglang_elastic_ep.sglang.upstream import (
 
 logger = get_logger(__name__)
 
-COHORT_CHECK_INTERVAL_S = 0.5  # a store round trip; the replacement takes a minute to start
-
-
 @dataclass
 class TailRecoveryState:
-    """This scheduler process's side of a failed tail's recovery (one per process:
-    ``tail_recovery_state``)."""
+    """This scheduler process's driver of a failed tail's recovery (one per process:
+    ``tail_recovery_state``): the survivor's machine of the current or last recovery
+    (``core.tail_recovery_machine``), fed from the store, Mooncake's peer state and upstream's
+    scale state."""
 
-    # The size to grow back to once the failed slots' replacement registers (None: none awaited).
-    return_to: int | None = None
-    next_cohort_check: float = 0.0  # monotonic time of the next store look-up
+    machine: TailRecoveryMachine | None = None
     reported: set[str] = field(default_factory=set)  # errors already logged (each once)
+
+    @property
+    def awaiting_replacement(self) -> bool:
+        return self.machine is not None and self.machine.awaiting_replacement
 
     def report_once(self, message: str) -> None:
         if message not in self.reported:
@@ -138,9 +140,12 @@ def let_go_of_failed_tail(runner: Any, target: int) -> None:
     """Step 1, on every survivor in the same agreed pass."""
     state = state_manager().instance()
     old = state.effective_ep_size
+    machine = TailRecoveryMachine(first_failed=target, return_to=old,
+                                  started_at=time.monotonic())
     release_tail(runner, target, tell_tokenizer=False, move_experts=False)
-    state.scale_phase = Phase.AWAITING_REPLACEMENT.value
-    tail_recovery_state(state).return_to = old
+    machine.let_go(time.monotonic())
+    tail_recovery_state(state).machine = machine
+    state.scale_phase = machine.phase.value
     logger.warning(
         "[elastic-ep] ranks %d..%d failed; the survivors let go of their slots and serve on %d "
         "ranks. Relaunch the failed joiner with --ep-join-mode recover "
@@ -150,49 +155,48 @@ def let_go_of_failed_tail(runner: Any, target: int) -> None:
 
 
 def request_return_when_replacement_registered(state: Any) -> None:
-    """Step 2: once the replacement's cohort is in the store, ask for the old size again (this
-    rank only; the per-pass agreement then waits for every survivor)."""
+    """Step 2: once the replacement's cohort is in the store and its process in Mooncake's
+    WORLD, ask for the old size again (this rank only; the per-pass agreement then waits for
+    every survivor)."""
     recovery = tail_recovery_state(state)
-    return_to = recovery.return_to
-    if return_to is None or state.pending_ep_size is not None:
+    machine = recovery.machine
+    if machine is None or state.pending_ep_size is not None \
+            or not machine.check_due(time.monotonic()):
         return
-    now = time.monotonic()
-    if now < recovery.next_cohort_check:
-        return
-    recovery.next_cohort_check = now + COHORT_CHECK_INTERVAL_S
     from sglang.srt.elastic_ep.elastic_ep import get_scale_cohort
 
     cohort = get_scale_cohort(state.effective_ep_size)
-    if cohort is None:
-        return
-    if cohort.target_ep_size != return_to:
-        recovery.report_once(
-            f"a joiner registered for size {cohort.target_ep_size} while ranks "
-            f"{state.effective_ep_size}..{return_to - 1} await their replacement: relaunch "
-            f"them with --ep-join-mode recover (size {return_to})"
-        )
-        return
-    # The cohort key of the rank that died is still in the store (same offset, same payload);
-    # only Mooncake's peer state tells that a new process joined WORLD in its slots. Asking
-    # before would start upstream's scale timeout on the dead rank's key.
-    from mooncake.pg import get_peer_state
+    target = None if cohort is None else int(cohort.target_ep_size)
+    peers_joined = False
+    if target == machine.return_to:
+        from mooncake.pg import get_peer_state
 
-    if not all(get_peer_state(dist.group.WORLD, list(range(state.effective_ep_size,
-                                                            return_to)))):
-        return
-    if state_manager().request_scale(return_to):
+        peers_joined = all(get_peer_state(dist.group.WORLD, list(machine.failed_slots)))
+    verdict = machine.replacement_verdict(target, peers_joined)
+    if verdict is ReplacementVerdict.WRONG_SIZE and target is not None:
+        recovery.report_once(machine.wrong_size_message(target))
+    elif verdict is ReplacementVerdict.READMIT and state_manager().request_scale(
+            machine.return_to):
+        machine.readmission_requested(time.monotonic())
         logger.info("[elastic-ep] replacement for ranks %d..%d registered: re-admitting it",
-                    state.effective_ep_size, return_to - 1)
+                    machine.first_failed, machine.return_to - 1)
 
 
 def note_committed(state: Any) -> None:
-    """After the per-pass step: the replacement is in once the old size is back."""
-    recovery = tail_recovery_state(state)
-    if recovery.return_to is not None and state.pending_ep_size is None \
-            and state.effective_ep_size == recovery.return_to:
+    """After the per-pass step: the replacement is in once the old size is back; a failed
+    re-admission waits for the next replacement."""
+    machine = tail_recovery_state(state).machine
+    if machine is None:
+        return
+    entered = machine.observe(int(state.effective_ep_size), state.pending_ep_size is not None,
+                              time.monotonic())
+    if entered is Phase.SERVING_RECOVERED:
         logger.info("[elastic-ep] recovered ranks that joined by scale-up: back at %d ranks",
-                    recovery.return_to)
-        recovery.return_to = None
+                    machine.return_to)
+    elif entered is Phase.AWAITING_REPLACEMENT:
+        logger.warning("[elastic-ep] re-admitting ranks %d..%d failed (%s): waiting for the "
+                       "next replacement", machine.first_failed, machine.return_to - 1,
+                       state.last_error)
 
 
 def world_gather_width(original: Any, num_dp_ranks: int, **kwargs: Any) -> int:
@@ -226,9 +230,12 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
     from sglang.srt.managers.io_struct import ElasticScaleUpdateReq, ScaleElasticEPReqOutput
     from sglang.srt.runtime_context import get_exec, get_parallel
 
-    recovery = tail_recovery_state(state)
-    old, recovery.return_to = recovery.return_to, None
-    state.scale_phase = Phase.SERVING_CONTRACTED.value
+    machine = tail_recovery_state(state).machine
+    if machine is None:
+        raise RuntimeError("removing failed slots with no failed tail let go of")
+    old = machine.return_to
+    machine.removed(time.monotonic())
+    state.scale_phase = machine.phase.value
     state.last_error = None
     runner = scheduler.tp_worker.model_runner
     if get_parallel().tp_rank == 0 and not get_exec().moe.is_ep_scale_joiner:

@@ -38,12 +38,8 @@ def test_terminal_phases_have_no_way_out() -> None:
         t.advance(Phase.DRAINING, 2.0)
 
 
-@pytest.mark.parametrize("role", list(Role))
-def test_every_role_reaches_its_success_phase_and_can_fail_before_the_release(
-    role: Role,
-) -> None:
+def _reachable(role: Role) -> set[Phase]:
     table = TRANSITIONS[role]
-    assert Phase.FAILED in table[INITIAL_PHASE[role]]
     seen, frontier = set(), [INITIAL_PHASE[role]]
     while frontier:
         phase = frontier.pop()
@@ -51,8 +47,23 @@ def test_every_role_reaches_its_success_phase_and_can_fail_before_the_release(
             continue
         seen.add(phase)
         frontier.extend(table.get(phase, ()))
+    assert seen <= set(table) | TERMINAL_PHASES
+    return seen
+
+
+@pytest.mark.parametrize("role", [Role.SCALE_DOWN_STAYING, Role.SCALE_DOWN_LEAVING])
+def test_a_scale_down_role_reaches_its_success_phase_and_can_fail_before_the_release(
+    role: Role,
+) -> None:
+    assert Phase.FAILED in TRANSITIONS[role][INITIAL_PHASE[role]]
     success = Phase.RELEASED if role is Role.SCALE_DOWN_LEAVING else Phase.SERVING_CONTRACTED
-    assert success in seen and seen <= set(table) | TERMINAL_PHASES
+    assert success in _reachable(role)
+
+
+def test_a_survivor_ends_recovered_or_with_the_failed_slots_removed() -> None:
+    reachable = _reachable(Role.RECOVERY_SURVIVOR)
+    assert {Phase.SERVING_RECOVERED, Phase.SERVING_CONTRACTED} <= reachable
+    assert Phase.FAILED not in reachable  # it serves degraded until one of the two
 
 
 def test_upstream_phase_names_are_kept() -> None:
