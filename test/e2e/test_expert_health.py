@@ -15,11 +15,15 @@ on rank 2.
 Then the same cluster stalls on purpose: every scheduler is stopped (SIGSTOP) while requests
 wait, as when all wait in a collective for a peer that does not come; after
 ``--elastic-ep-stall-timeout`` the status and the health report say ``stalled``, and once the
-schedulers run again (SIGCONT) the report clears and every request completes.
+schedulers run again (SIGCONT) the report clears and every request completes. Then one
+scheduler's main thread stops alone (SIGUSR1, ``cpu/fault_injection.py``) while its process
+lives, a peer that never enters the collective: the others wait for it in the pass's DP
+gather, and the stall report says so, rank by rank (each scheduler's published step).
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +39,14 @@ from sglang_elastic_ep_testbed.cluster.load import greedy_reference
 from sglang_elastic_ep_testbed.cluster.observe import sse_events, wait_status
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
+from sglang_elastic_ep_testbed.cpu.fault_injection import ENV_STALL_S
 
 BLOCKED_S = 300  # a check runs between batches: on three ranks over two cores, seconds apart
 # No fault is injected here: a Mooncake timeout long enough that a starved rank is never taken
 # for a dead one (the fault tests' 2 s is too short for three ranks on two cores).
 COLLECTIVE_TIMEOUT_S = 30.0
 STALL_TIMEOUT_S = 5.0
+ONE_RANK_STALL_S = 20.0  # rank 1's main thread stops this long: below COLLECTIVE_TIMEOUT_S
 
 
 def wait_hard_blocked(url: str, rank: int, timeout_s: float) -> dict:
@@ -121,6 +127,7 @@ def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> N
     )
     cluster = LocalCluster(spec)
     cluster.env[ENV_TEST_SLOW_EXPERTS] = "2:200"
+    cluster.env[ENV_STALL_S] = str(ONE_RANK_STALL_S)
     with cluster:
         url = cluster.url
         # The load starts the slow checks (rank 2's experts get their first samples); the
@@ -187,6 +194,31 @@ def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> N
                     proc.resume()
             wait_status(url, lambda s: s if s["stalled"] is None else None, 60,
                         "the stall clears once the schedulers answer")
+        finally:
+            after = waiting.stop()
+        assert after and all(r.ok for r in after), after[:3]
+
+        # Rank 1's main thread stops for ONE_RANK_STALL_S (below Mooncake's collective
+        # timeout): ranks 0 and 2 wait for it in the next pass's gather.
+        def stall_with_positions(status: dict) -> dict | None:
+            stalled = status["stalled"]
+            return stalled if stalled and len(stalled["ranks"]) == 3 else None
+
+        waiting = LoadClient(url, concurrency=2, max_new_tokens=4).start()
+        try:
+            wait_until(lambda: any(r.ok for r in waiting.snapshot()), 120, "serving again",
+                       poll_s=0.5)
+            psutil.Process(cluster.primary.scheduler_pids()[1]).send_signal(signal.SIGUSR1)
+            stalled = wait_status(url, stall_with_positions, ONE_RANK_STALL_S,
+                                  "the stall reported rank by rank")
+            at = {r["rank"]: r for r in stalled["ranks"]}
+            assert at[0]["step"] == at[2]["step"] == "gather", stalled
+            # Rank 1 is not in that gather: elsewhere, or in an earlier pass's.
+            assert at[1]["step"] != "gather" or at[1]["passes"] < at[0]["passes"], stalled
+            assert all(r["report_age_s"] < 5 for r in stalled["ranks"]), stalled
+            assert "ranks [0, 2] in step 'gather'" in stalled["message"], stalled
+            wait_status(url, lambda s: s if s["stalled"] is None else None, 120,
+                        "the stall clears once rank 1 runs again")
         finally:
             after = waiting.stop()
         assert after and all(r.ok for r in after), after[:3]

@@ -52,6 +52,10 @@ HOOKS: tuple[Hook, ...] = (
     _cpu_hook(f"{S}managers.scheduler.Scheduler.init_idle_sleeper",
               "cpu.idle:install_idle_sleeper", "AFTER",
               "idle ranks poll 50 ms, not 1 s, and park Mooncake's spinning worker meanwhile"),
+    _cpu_hook(f"{S}managers.scheduler.Scheduler.init_request_dispatcher",
+              "cpu.fault_injection:install_stall_on_signal", "AFTER",
+              "e2e tests stop one scheduler's main thread with SIGUSR1 (a peer that never "
+              "enters the collective) to show what a stall report says"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.on_idle", "cpu.idle:idle_pass", "AROUND",
               "Mooncake's spinning worker stays parked during idle housekeeping and the poll"),
     _cpu_hook(f"{S}server_args.wait_port_available", "cpu.shared_host:wait_port_available",

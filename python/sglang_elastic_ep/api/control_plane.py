@@ -34,6 +34,7 @@ from sglang_elastic_ep.core.api_models import (
     OperationResult,
     RankFailedEvent,
     RankJoinedEvent,
+    RankPosition,
     RankRecoveredEvent,
     RecoveryRequiredEvent,
     SafeToTerminateEvent,
@@ -47,6 +48,7 @@ from sglang_elastic_ep.core.health import HealthConfig, RankHealthMonitor, Recov
 from sglang_elastic_ep.core.membership import Membership
 from sglang_elastic_ep.core.operations import Operation, OperationRegistry
 from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.core.stall import describe_positions
 from sglang_elastic_ep.core.validation import ScaleTopology, validate_scale
 
 if TYPE_CHECKING:
@@ -343,8 +345,10 @@ class InProcessControlPlane:
             health = health.model_copy(update={"stalled": stalled})
         return health
 
-    def observe_stall(self, since: float | None, waiting_requests: int) -> None:
-        """The stall watch's verdict (``core.stall``): stalled since ``since``, or not."""
+    def observe_stall(self, since: float | None, waiting_requests: int,
+                      positions: list[RankPosition] | None = None) -> None:
+        """The stall watch's verdict (``core.stall``): stalled since ``since``, or not, and
+        where each scheduler is (``positions``)."""
         if since is None:
             if self._stalled is not None:
                 logger.warning("elastic EP: serving resumed after a stall of %.0f s",
@@ -353,17 +357,20 @@ class InProcessControlPlane:
             return
         now = self._clock()
         phase = self.status().phase
+        positions = positions or []
+        where = describe_positions(positions)
         if self._stalled is None:
             logger.warning("elastic EP: serving stalled: %d requests wait and no scheduler has "
-                           "answered for %.0f s (phase %s)", waiting_requests, now - since,
-                           phase.value)
+                           "answered for %.0f s (phase %s): %s", waiting_requests, now - since,
+                           phase.value, where)
         self._stalled = StallStatus(
             since=since, stalled_s=round(now - since, 3), waiting_requests=waiting_requests,
-            phase=phase,
+            phase=phase, ranks=positions,
             message=(f"{waiting_requests} requests wait and no scheduler has answered for "
-                     f"{now - since:.0f} s (phase {phase.value}): a scheduler is stuck, often in a "
-                     "collective whose peer never came; the schedulers' stacks (py-spy dump) show "
-                     "where. Serving resumes by itself if the peer arrives; else restart it"),
+                     f"{now - since:.0f} s (phase {phase.value}): {where}. A scheduler is "
+                     "stuck, often in a collective whose peer never came; the schedulers' stacks "
+                     "(py-spy dump) show where. Serving resumes by itself if the peer arrives; "
+                     "else restart it"),
         )
 
     # --- engine -> control plane --------------------------------------------------------

@@ -261,6 +261,20 @@ class OperationStatus(_Strict):
     error: str | None = None
 
 
+class RankPosition(_Strict):
+    """Where one scheduler is, from the report it publishes once a second while it runs (even
+    while its main thread waits in a collective)."""
+
+    rank: int
+    step: str = Field(description="The step of its pass it is in: `gather` (the DP-attention "
+                      "all-gather every pass starts with), `forward`, `idle`, or a membership "
+                      "step (`scale-up to N`, `scale-down to N`, `let go of failed ranks`).")
+    in_step_s: float = Field(description="Seconds since it entered that step.")
+    passes: int = Field(description="Passes it has gathered since it started.")
+    report_age_s: float = Field(description="Seconds since its last report: more than a few "
+                                "means the process itself stopped or died.")
+
+
 class StallStatus(_Strict):
     """Serving has stalled: requests wait and no scheduler answered for ``stalled_s``."""
 
@@ -270,6 +284,11 @@ class StallStatus(_Strict):
     waiting_requests: int
     phase: Phase = Field(description="The phase the deployment was in (the step it is stuck "
                          "in when an operation runs).")
+    ranks: list[RankPosition] = Field(
+        default_factory=list,
+        description="Each scheduler's step and how long it has been in it (empty when the "
+                    "reports cannot be read: no --dist-init-addr, or rank 0, which hosts them, "
+                    "is stopped itself).")
     message: str
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from sglang_elastic_ep.core.api_models import RankPosition
+
 
 class StallDetector:
     """Fed once per check; says since when serving is stalled, or None."""
@@ -32,3 +34,38 @@ class StallDetector:
         since = max(self._waiting_since,
                     last_answer_at if last_answer_at is not None else -math.inf)
         return since if now - since > self.threshold_s else None
+
+
+STOPPED_AFTER_S = 5.0  # a scheduler publishes once a second: silence this long means stopped
+
+
+def positions_from_reports(reports: list[dict], now: float) -> list[RankPosition]:
+    """Each scheduler's published report (``{rank, step, since, passes, at}``, Unix times) as
+    where it is ``now``, by rank."""
+    positions = [
+        RankPosition(rank=int(r["rank"]), step=str(r["step"]),
+                     in_step_s=round(max(0.0, now - float(r["since"])), 3),
+                     passes=int(r["passes"]), report_age_s=round(max(0.0, now - float(r["at"])), 3))
+        for r in reports
+    ]
+    return sorted(positions, key=lambda p: p.rank)
+
+
+def describe_positions(positions: list[RankPosition]) -> str:
+    """One clause per step, naming the ranks in it: what an operator reads first."""
+    if not positions:
+        return ("where each scheduler is could not be read (the reports live in the rendezvous "
+                "store that rank 0 hosts: start with --dist-init-addr; rank 0 may be stopped)")
+    stopped = [p.rank for p in positions if p.report_age_s > STOPPED_AFTER_S]
+    by_step: dict[str, list[RankPosition]] = {}
+    for p in positions:
+        if p.rank not in stopped:
+            by_step.setdefault(p.step, []).append(p)
+    clauses = [
+        f"ranks {[p.rank for p in ranks]} in step '{step}' for "
+        f"{max(p.in_step_s for p in ranks):.0f} s"
+        for step, ranks in sorted(by_step.items(), key=lambda kv: kv[1][0].rank)
+    ]
+    if stopped:
+        clauses.append(f"ranks {stopped} stopped reporting (process stopped or dead)")
+    return "; ".join(clauses)

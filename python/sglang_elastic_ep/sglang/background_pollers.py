@@ -10,6 +10,10 @@ import time
 from typing import Any
 
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+from sglang_elastic_ep.core.api_models import RankPosition
+from sglang_elastic_ep.core.stall import positions_from_reports
+from sglang_elastic_ep.sglang.pass_progress import READ_TIMEOUT_S, read_reports
+from sglang_elastic_ep.sglang.world_registration import KeyValueStore, rendezvous_store
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +101,9 @@ class ExpertHealthPoller:
 
 class StallWatch:
     """Reports a stall (``core.stall``) to the plane: requests in the tokenizer's table and no
-    answer from any scheduler for ``threshold_s``. Reads two attributes of the tokenizer from
-    its own thread, never its event loop (a stalled server's loop is busy waiting too)."""
+    answer from any scheduler for ``threshold_s``, with where each scheduler is (the reports
+    they publish, ``pass_progress``). Reads two attributes of the tokenizer from its own
+    thread, never its event loop (a stalled server's loop is busy waiting too)."""
 
     def __init__(self, tokenizer_manager: Any, plane: InProcessControlPlane,
                  threshold_s: float) -> None:
@@ -107,12 +112,32 @@ class StallWatch:
         self._tm = tokenizer_manager
         self._plane = plane
         self._detector = StallDetector(threshold_s)
+        self._store: KeyValueStore | None = None
 
     def check(self) -> None:
         waiting = len(getattr(self._tm, "rid_to_state", {}) or {})
         last = getattr(self._tm, "last_receive_tstamp", None)
-        since = self._detector.observe(time.time(), waiting, last)
-        self._plane.observe_stall(since, waiting)
+        now = time.time()
+        since = self._detector.observe(now, waiting, last)
+        positions = self.positions(now) if since is not None else None
+        self._plane.observe_stall(since, waiting, positions)
+
+    def positions(self, now: float) -> list[RankPosition]:
+        """Where the schedulers of the current size are (empty when unreadable)."""
+        addr = getattr(getattr(self._tm, "server_args", None), "dist_init_addr", None)
+        if not addr:
+            return []
+        try:
+            self._store = self._store or rendezvous_store(f"tcp://{addr}", READ_TIMEOUT_S)
+            if self._store is None:
+                return []
+            ranks = range(self._plane.status().effective_ep_size)
+            return positions_from_reports(read_reports(self._store, ranks), now)
+        except Exception:  # rank 0, which hosts the store, may be the one that is stopped
+            self._store = None
+            logger.debug("elastic EP: the schedulers' progress reports are unreadable",
+                         exc_info=True)
+            return []
 
     def start(self, interval_s: float) -> None:
         def run() -> None:

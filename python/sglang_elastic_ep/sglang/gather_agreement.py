@@ -41,6 +41,7 @@ from sglang_elastic_ep.core.agreement import (
     pack_row,
 )
 from sglang_elastic_ep.sglang import expert_health, tail_recovery
+from sglang_elastic_ep.sglang.pass_progress import pass_progress
 from sglang_elastic_ep.sglang.pass_round import (
     AGREEMENT_ATTR,
     AgreedRound,
@@ -190,6 +191,9 @@ def bracket_mlp_sync(original: Any, local_batch: Any, *args: Any, **kwargs: Any)
     if not lockstep_agreement_on(state, get_parallel()):
         return original(local_batch, *args, **kwargs)
     agreement = gather_agreement(state)
+    progress = pass_progress(state)
+    if progress is not None:
+        progress.gathered()
     agreement.runner = kwargs["model_runner"] if "model_runner" in kwargs else args[0]
     agreement.batch_idle = local_batch is None or not getattr(local_batch, "reqs", None)
     try:

@@ -31,6 +31,7 @@ from sglang_elastic_ep.sglang.gather_agreement import (
 from sglang_elastic_ep.sglang.join_kind import note_join, slot_history
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import end_when_settled, get_logger
+from sglang_elastic_ep.sglang.pass_progress import enter_step, start_pass_progress
 from sglang_elastic_ep.sglang.scale_abort import abort_pending_scale
 from sglang_elastic_ep.sglang.scale_down import call_off_scale_down, finalize_scale_down
 from sglang_elastic_ep.sglang.upstream import (
@@ -40,6 +41,13 @@ from sglang_elastic_ep.sglang.upstream import (
 )
 
 logger = get_logger(__name__)
+
+# The step each rank reports while it runs an agreed membership step (pass_progress).
+MEMBERSHIP_STEPS = {
+    StepKind.GROW: "scale-up to {target}",
+    StepKind.SHRINK: "scale-down to {target}",
+    StepKind.LET_GO: "let go of failed ranks (serving on {target})",
+}
 
 
 def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -52,7 +60,11 @@ def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwarg
     if not lockstep_agreement_on(state, get_parallel()):
         return
     gathered = gather_agreement(state).mark_iteration()
-    if getattr(plan, "batch_to_run", None) is not None:
+    has_batch = getattr(plan, "batch_to_run", None) is not None
+    progress = start_pass_progress(state, scheduler)
+    if progress is not None:
+        progress.enter("forward" if has_batch else "idle")
+    if has_batch:
         return  # the forward pass calls maybe_join_ep_ranks itself
     if not gathered and not membership_state_on_host(state):
         # No gather made "no batch" the same on every rank, and the all-reduce fallback is
@@ -142,6 +154,7 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     if agreed.verdict is LockstepVerdict.ENTER:
         readiness_skew(runner).entered()
         proposal = agreed.proposal
+        enter_step(state, MEMBERSHIP_STEPS[proposal.kind].format(target=proposal.target))
         if proposal.kind is StepKind.LET_GO:
             return tail_recovery.let_go_of_failed_tail(runner, proposal.target)
         if proposal.kind is StepKind.SHRINK:

@@ -32,6 +32,7 @@ from sglang_elastic_ep.core.membership import failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.core.tail_recovery_machine import ReplacementVerdict, TailRecoveryMachine
+from sglang_elastic_ep.sglang.gather_repair import repair_after_gather
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
@@ -263,10 +264,17 @@ def gather_masks_expanded_world(
     scale-up. Over the expanded WORLD (``use_all_reduce``) the mask is WORLD's own
     (``ElasticEPState.active_ranks``, which Mooncake clears when a rank dies). Seen without it:
     a joiner killed during the gather left a garbage token count in its row, and a survivor
-    died building an idle batch of 32622 tokens."""
-    state = state_manager().instance() if use_all_reduce else None
-    if state is None or state.active_ranks is None:
+    died building an idle batch of 32622 tokens. A peer that dies before Mooncake clears its
+    mask entry can still leave garbage: ``gather_repair`` checks the rows after every gather
+    of an elastic server."""
+    elastic = state_manager().instance()
+    if elastic is None:  # elastic EP off: upstream's gather as it is
         return original(info, device, group, use_all_reduce)
+    state = elastic if use_all_reduce else None
+    if state is None or state.active_ranks is None:
+        result = original(info, device, group, use_all_reduce)
+        repair_after_gather(info, group)
+        return result
     from sglang.srt.runtime_context import get_parallel
 
     tp_group = get_parallel().tp_group
@@ -278,6 +286,8 @@ def gather_masks_expanded_world(
     tp_group.active_ranks_cpu = world if world.device.type == "cpu" else state.active_ranks_cpu
     tp_group.active_ranks = world
     try:
-        return original(info, device, group, use_all_reduce)
+        result = original(info, device, group, use_all_reduce)
     finally:
         tp_group.active_ranks, tp_group.active_ranks_cpu = saved
+    repair_after_gather(info, group)
+    return result

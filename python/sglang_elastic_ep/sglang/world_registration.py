@@ -32,6 +32,8 @@ class KeyValueStore(Protocol):
 
     def get(self, key: str) -> bytes: ...
 
+    def set(self, key: str, value: bytes | str) -> None: ...
+
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes: ...
 
 
@@ -62,8 +64,7 @@ def raise_world_high_water(store: KeyValueStore, size: int) -> None:
 def rendezvous_store(init_method: str, timeout_s: float = STORE_TIMEOUT_S
                      ) -> KeyValueStore | None:
     """A client of the TCPStore behind ``tcp://host:port`` (the deployment's rendezvous, hosted
-    by rank 0), or None when it cannot be reached: the joiner then asks for its own size, as
-    upstream does."""
+    by rank 0), or None when it cannot be reached."""
     from torch.distributed import TCPStore
 
     if not init_method.startswith("tcp://"):
@@ -71,9 +72,8 @@ def rendezvous_store(init_method: str, timeout_s: float = STORE_TIMEOUT_S
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
     try:
         return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - registering at upstream's size still works first time
-        logger.warning("[elastic-ep] rendezvous store %s unreachable (%s): this joiner asks for "
-                       "its own WORLD size", init_method, exc)
+    except Exception:  # the callers each have a way on without it
+        logger.debug("[elastic-ep] rendezvous store %s unreachable", init_method, exc_info=True)
         return None
 
 
@@ -94,7 +94,9 @@ def init_distributed_environment(original: Callable[..., Any], *args: Any, **kwa
     if args or not init_method or not _is_mooncake_scale_joiner(backend):
         return original(*args, **kwargs)
     store = rendezvous_store(str(init_method))
-    if store is None:
+    if store is None:  # registering at upstream's size still works while WORLD never shrank
+        logger.warning("[elastic-ep] rendezvous store %s unreachable: this joiner asks for its "
+                       "own WORLD size", init_method)
         return original(*args, **kwargs)
     asked = int(kwargs["world_size"])
     high_water = read_world_high_water(store)

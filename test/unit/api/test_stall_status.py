@@ -51,3 +51,19 @@ def test_the_stall_watch_reads_the_tokenizers_table_and_last_answer(
     now[0] = clock.t = 2007.0
     watch.check()
     assert plane.status().stalled is None
+
+
+def test_a_stall_lists_where_each_scheduler_is() -> None:
+    from sglang_elastic_ep.core.api_models import RankPosition
+
+    clock = Clock(1000.0)
+    plane = make_plane(engine=FakeEngine(), clock=clock)
+    client = TestClient(make_app(plane))
+    positions = [RankPosition(rank=0, step="gather", in_step_s=70.0, passes=9, report_age_s=0.4),
+                 RankPosition(rank=1, step="forward", in_step_s=70.0, passes=8, report_age_s=0.6)]
+    clock.t = 1075.0
+    plane.observe_stall(1000.0, waiting_requests=2, positions=positions)
+    stalled = client.get("/elastic_ep/status").json()["stalled"]
+    assert [(r["rank"], r["step"]) for r in stalled["ranks"]] == [(0, "gather"), (1, "forward")]
+    assert "ranks [0] in step 'gather' for 70 s; ranks [1] in step 'forward'" in \
+        stalled["message"]

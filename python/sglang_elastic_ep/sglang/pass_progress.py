@@ -1,0 +1,118 @@
+"""Where each scheduler is, readable while it is stuck: the step of its pass and since when.
+
+A stalled server's schedulers answer nothing, so the HTTP process alone cannot say which rank
+waits where. Each scheduler records the step it enters (the DP-attention gather every pass
+starts with, the forward, idle, an agreed membership step) in a small object kept on upstream's
+per-process ``ElasticEPState``: one attribute write per step, nothing on the device. A daemon
+thread publishes it once a second into the deployment's rendezvous store (the TCPStore behind
+``--dist-init-addr``, hosted by rank 0 and reachable from every node), and keeps doing so while
+the main thread waits in a collective. The HTTP process reads the reports only when it reports
+a stall (``background_pollers.StallWatch``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_elastic_ep.sglang.operation_log import get_logger
+from sglang_elastic_ep.sglang.upstream import attached_state
+from sglang_elastic_ep.sglang.world_registration import KeyValueStore, rendezvous_store
+
+logger = get_logger(__name__)
+
+PUBLISH_INTERVAL_S = 1.0
+READ_TIMEOUT_S = 2.0  # the HTTP process's reads: rank 0, which hosts the store, may be stopped
+_KEY = "sglang_eep/pass_progress/{rank}"
+
+
+def report_key(rank: int) -> str:
+    return _KEY.format(rank=rank)
+
+
+@dataclass
+class PassProgress:
+    """This scheduler's current step; written by its main thread, read by the publisher."""
+
+    rank: int
+    step: str = "starting"
+    since: float = field(default_factory=time.time)
+    passes: int = 0
+    publishing: bool = False
+
+    def enter(self, step: str) -> None:
+        if step != self.step:
+            self.step, self.since = step, time.time()
+
+    def gathered(self) -> None:
+        """A pass's DP gather is about to run."""
+        self.passes += 1
+        self.enter("gather")
+
+    def report(self, now: float) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "since": self.since,
+                "passes": self.passes, "at": now}
+
+    def publish_forever(self, connect: Callable[[], KeyValueStore | None],
+                        interval_s: float = PUBLISH_INTERVAL_S) -> None:
+        """Start the publisher thread (once)."""
+        if self.publishing:
+            return
+        self.publishing = True
+
+        def run() -> None:
+            store: KeyValueStore | None = None
+            while True:
+                try:
+                    store = store or connect()
+                    if store is not None:
+                        store.set(report_key(self.rank), json.dumps(self.report(time.time())))
+                except Exception:  # the store is back at the next beat, or the process ends
+                    store = None
+                    logger.debug("[elastic-ep] pass progress not published", exc_info=True)
+                time.sleep(interval_s)
+
+        threading.Thread(target=run, name="elastic-ep-pass-progress", daemon=True).start()
+
+
+_ATTR = "_elastic_ep_pass_progress"
+
+
+def pass_progress(state: Any) -> PassProgress | None:
+    """This process's progress record, once the scheduler loop started it (None before)."""
+    return getattr(state, _ATTR, None)
+
+
+def start_pass_progress(state: Any, scheduler: Any) -> PassProgress | None:
+    """The progress record on ``state``, built and published on the scheduler loop's first
+    iteration (when ``--dist-init-addr`` names the rendezvous store); None outside a
+    distributed run."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    progress = attached_state(state, _ATTR, lambda: PassProgress(rank=dist.get_rank()))
+    addr = getattr(getattr(scheduler, "server_args", None), "dist_init_addr", None)
+    if addr and not progress.publishing:
+        progress.publish_forever(lambda: rendezvous_store(f"tcp://{addr}", READ_TIMEOUT_S))
+    return progress
+
+
+def enter_step(state: Any, step: str) -> None:
+    progress = pass_progress(state)
+    if progress is not None:
+        progress.enter(step)
+
+
+def read_reports(store: KeyValueStore, ranks: Iterable[int]) -> list[dict[str, Any]]:
+    """The reports the schedulers of ``ranks`` published (ranks that never did are left out)."""
+    reports = []
+    for rank in ranks:
+        key = report_key(rank)
+        if store.check([key]):
+            reports.append(json.loads(store.get(key).decode()))
+    return reports
