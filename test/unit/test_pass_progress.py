@@ -24,16 +24,16 @@ def test_the_step_changes_only_when_another_is_entered() -> None:
     progress.gathered()
     assert progress.step == "gather" and progress.passes == 1
     entered = progress.since
-    progress.enter("gather")
+    progress.now_in("gather")
     assert progress.since == entered  # the same step again keeps its start
-    progress.enter("forward")
+    progress.now_in("forward")
     assert progress.step == "forward" and progress.since >= entered
 
 
 def test_reports_reach_the_store_and_read_back_by_rank(store: TCPStore) -> None:
     ranks = [PassProgress(rank=r) for r in (0, 1)]
     ranks[0].gathered()
-    ranks[1].enter("scale-up to 3")
+    ranks[1].now_in("scale-up to 3")
     for progress in ranks:
         progress.publish_forever(lambda: store, interval_s=0.05)
     wait_until(lambda: len(read_reports(store, range(3))) == 2, 10, "both reports published",

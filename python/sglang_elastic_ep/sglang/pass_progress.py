@@ -44,14 +44,14 @@ class PassProgress:
     passes: int = 0
     publishing: bool = False
 
-    def enter(self, step: str) -> None:
+    def now_in(self, step: str) -> None:
         if step != self.step:
             self.step, self.since = step, time.time()
 
     def gathered(self) -> None:
         """A pass's DP gather is about to run."""
         self.passes += 1
-        self.enter("gather")
+        self.now_in("gather")
 
     def report(self, now: float) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "since": self.since,
@@ -105,7 +105,7 @@ def start_pass_progress(state: Any, scheduler: Any) -> PassProgress | None:
 def enter_step(state: Any, step: str) -> None:
     progress = pass_progress(state)
     if progress is not None:
-        progress.enter(step)
+        progress.now_in(step)
 
 
 def read_reports(store: KeyValueStore, ranks: Iterable[int]) -> list[dict[str, Any]]:

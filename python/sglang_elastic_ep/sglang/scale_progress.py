@@ -63,7 +63,7 @@ def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwarg
     has_batch = getattr(plan, "batch_to_run", None) is not None
     progress = start_pass_progress(state, scheduler)
     if progress is not None:
-        progress.enter("forward" if has_batch else "idle")
+        progress.now_in("forward" if has_batch else "idle")
     if has_batch:
         return  # the forward pass calls maybe_join_ep_ranks itself
     if not gathered and not membership_state_on_host(state):
