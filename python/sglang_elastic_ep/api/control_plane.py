@@ -49,7 +49,12 @@ from sglang_elastic_ep.core.membership import Membership
 from sglang_elastic_ep.core.operations import Operation, OperationRegistry
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.stall import describe_positions
-from sglang_elastic_ep.core.validation import ScaleTopology, validate_scale
+from sglang_elastic_ep.core.validation import (
+    ScaleTopology,
+    ScaleVerdict,
+    resolve_removal,
+    validate_scale,
+)
 
 if TYPE_CHECKING:
     from sglang_elastic_ep.api.metrics import ElasticEPMetrics
@@ -194,6 +199,21 @@ class InProcessControlPlane:
         """Validate and admit ``request``; hand a started operation to the engine."""
         with self._lock:
             current = self._membership.effective_size
+            if request.remove_ranks is not None:
+                # Against the size it removes from: on a retry of a known operation id, the
+                # size that operation started at (it may have committed since).
+                known = self._registry.get(request.operation_id) \
+                    if request.operation_id is not None else None
+                basis = known.old_ep_size if known is not None else current
+                resolved = resolve_removal(request.remove_ranks, basis)
+                if isinstance(resolved, ScaleVerdict):
+                    return ScaleAnswer(status=resolved.status, response=ScaleResponse(
+                        accepted=False, message=resolved.message, reason=resolved.reason,
+                        old_ep_size=current, new_ep_size=current,
+                        phase=self._registry.current_phase(),
+                        operation_id=request.operation_id, instance_id=self._instance_id,
+                    ))
+                request = request.as_size(resolved)
             verdict = validate_scale(
                 request.target_ep_size,
                 current_size=current,

@@ -213,7 +213,11 @@ def _print_safe_to_terminate(status: dict[str, Any], console: Console) -> None:
 
 def cmd_scale(args: argparse.Namespace, console: Console) -> int:
     operation_id = args.operation_id or uuid.uuid4().hex
-    payload: dict[str, Any] = {"new_ep_size": args.to, "operation_id": operation_id}
+    payload: dict[str, Any] = {"operation_id": operation_id}
+    if args.remove is not None:
+        payload["remove_ranks"] = args.remove
+    else:
+        payload["new_ep_size"] = args.to
     if args.expected_instance_id:
         payload["expected_instance_id"] = args.expected_instance_id
     with httpx.Client(base_url=args.url, timeout=args.http_timeout, trust_env=False) as client:
@@ -450,8 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    scale = sub.add_parser("scale", parents=[common], help="scale to an absolute EP size")
-    scale.add_argument("--to", type=_positive_int, required=True, help="target EP ranks")
+    scale = sub.add_parser("scale", parents=[common],
+                           help="scale to an absolute EP size, or remove named ranks")
+    target = scale.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", type=_positive_int, help="target EP ranks")
+    target.add_argument("--remove", type=int, nargs="+", metavar="RANK",
+                        help="remove these ranks (the tail of the current size)")
     scale.add_argument("--wait", action="store_true", help="follow phases until done")
     scale.add_argument("--operation-id", help="idempotency key (default: a new UUID)")
     scale.add_argument("--expected-instance-id", help="refuse (412) if the server restarted")

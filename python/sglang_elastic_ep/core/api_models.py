@@ -26,7 +26,8 @@ from sglang_elastic_ep.core.phases import Phase
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
 ID_MAX_LENGTH = 128
 
-SCALE_REQUEST_FIELDS = ("new_ep_size", "new_tp_size", "operation_id", "expected_instance_id")
+SCALE_REQUEST_FIELDS = ("new_ep_size", "new_tp_size", "remove_ranks", "operation_id",
+                        "expected_instance_id")
 
 
 class _Strict(BaseModel):
@@ -62,13 +63,20 @@ def _check_id(field: str, value: Any) -> Any:
 
 
 class ScaleRequest(_Strict):
-    """Body of ``POST /scale_elastic_ep``: scale to an absolute number of EP ranks."""
+    """Body of ``POST /scale_elastic_ep``: scale to an absolute number of EP ranks, or remove
+    the named ranks (``remove_ranks``)."""
 
     new_ep_size: int | None = Field(
         default=None, ge=1, description="Target number of EP ranks (absolute, not a delta)."
     )
     new_tp_size: int | None = Field(
         default=None, ge=1, description="Alias of new_ep_size used by the upstream RFC."
+    )
+    remove_ranks: list[int] | None = Field(
+        default=None,
+        description="The ranks to remove (the RFC's rank-explicit form), instead of a size. "
+        "This build removes ranks from the tail: the set must be the highest ranks of the "
+        "current size (e.g. [2, 3] of 4 ranks, the same as new_ep_size 2).",
     )
     operation_id: str | None = Field(
         default=None,
@@ -95,6 +103,27 @@ class ScaleRequest(_Strict):
             )
         return value
 
+    @field_validator("remove_ranks", mode="before")
+    @classmethod
+    def _rank_list(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, list) or not value:
+            raise PydanticCustomError(
+                "invalid_ranks", "remove_ranks must be a non-empty list of EP ranks, e.g. [3]")
+        if any(type(r) is not int for r in value):
+            raise PydanticCustomError(
+                "invalid_ranks", f"remove_ranks must hold JSON integers (EP ranks), got "
+                f"{_short_repr(value)}")
+        ranks = list(value)
+        if any(r < 0 for r in ranks):
+            raise PydanticCustomError(
+                "invalid_ranks", f"remove_ranks holds a negative rank: {ranks}")
+        if len(set(ranks)) != len(ranks):
+            raise PydanticCustomError(
+                "invalid_ranks", f"remove_ranks names a rank twice: {ranks}; name each once")
+        return sorted(ranks)
+
     @field_validator("operation_id", "expected_instance_id", mode="before")
     @classmethod
     def _id_format(cls, value: Any, info: Any) -> Any:
@@ -102,10 +131,19 @@ class ScaleRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_target(self) -> ScaleRequest:
-        if self.new_ep_size is None and self.new_tp_size is None:
+        sized = self.new_ep_size is not None or self.new_tp_size is not None
+        if self.remove_ranks is not None:
+            if sized:
+                raise PydanticCustomError(
+                    "conflicting_target",
+                    "send either remove_ranks or new_ep_size, not both",
+                )
+            return self
+        if not sized:
             raise PydanticCustomError(
                 "missing_target",
-                'send new_ep_size, the target number of EP ranks, e.g. {"new_ep_size": 4}',
+                'send new_ep_size, the target number of EP ranks, e.g. {"new_ep_size": 4}, '
+                'or remove_ranks, e.g. {"remove_ranks": [3]}',
             )
         if (
             self.new_ep_size is not None
@@ -121,9 +159,17 @@ class ScaleRequest(_Strict):
 
     @property
     def target_ep_size(self) -> int:
+        """The size asked for (a ``remove_ranks`` request is first turned into one with
+        ``as_size``, against the size it removes from)."""
         target = self.new_ep_size if self.new_ep_size is not None else self.new_tp_size
-        assert target is not None  # guaranteed by _one_target
+        if target is None:
+            raise ValueError("a remove_ranks request has no size until resolved (as_size)")
         return target
+
+    def as_size(self, target: int) -> ScaleRequest:
+        """The same request naming the size it leaves instead of the ranks it removes."""
+        return self.model_copy(update={"new_ep_size": target, "new_tp_size": None,
+                                       "remove_ranks": None})
 
 
 class RejectionReason(str, enum.Enum):
@@ -136,6 +182,9 @@ class RejectionReason(str, enum.Enum):
     FAILED_RANKS_PRESENT = "failed_ranks_present"
     MUST_REMOVE_FAILED_RANKS = "must_remove_failed_ranks"
     RELEASED_LAUNCH_SLOTS = "released_launch_slots"
+    UNKNOWN_RANKS = "unknown_ranks"
+    RANK_ZERO = "rank_zero"
+    NOT_THE_TAIL = "not_the_tail"
     OPERATION_IN_PROGRESS = "operation_in_progress"
     OPERATION_ID_REUSED = "operation_id_reused"
     INSTANCE_MISMATCH = "instance_mismatch"

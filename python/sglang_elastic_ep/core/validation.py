@@ -4,7 +4,7 @@ Decisions:
 - Target equal to the current size is a no-op answered with 200 (absolute targets are
   idempotent: an orchestrator that retries after success must not see an error).
 - Ranks join and leave at the tail: scale-up adds [current, target), scale-down removes
-  [target, current).
+  [target, current). A rank-explicit removal (``remove_ranks``) must name that tail.
 - A size must be a whole number of attention replicas (upstream Scheduler rule:
   ``new_ep_size % (attn_tp_size * attn_cp_size) == 0``).
 - While a rank inside the current size has failed, scale-up is refused (409), and the only
@@ -76,6 +76,40 @@ def _refuse(status: HTTPStatus, reason: RejectionReason, message: str) -> ScaleV
 
 def _ranks(ranks: Iterable[int]) -> str:
     return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
+
+
+def resolve_removal(ranks: Iterable[int], current_size: int) -> int | ScaleVerdict:
+    """``remove_ranks`` as the size it leaves, or why it cannot be done. Only the tail leaves
+    (the active set stays a prefix: routing, expert placement and upstream's DP attention
+    count ranks from 0), so the set must be the highest ranks of ``current_size``."""
+    named = sorted(set(ranks))
+    unknown = [r for r in named if r >= current_size]
+    if unknown:
+        return _refuse(
+            HTTPStatus.BAD_REQUEST, RejectionReason.UNKNOWN_RANKS,
+            f"remove_ranks {_ranks(unknown)} are not in the current EP size {current_size} "
+            f"(ranks 0..{current_size - 1}); nothing changed",
+        )
+    tail = list(range(current_size - len(named), current_size))
+    if 0 in named:
+        return _refuse(
+            HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.RANK_ZERO,
+            "rank 0 hosts the HTTP server and the DP router and cannot be removed; "
+            + (f'remove the {len(named)} highest ranks instead: {{"remove_ranks": '
+               f"{_ranks(tail)}}}" if len(named) < current_size
+               else "to stop serving, shut the server down"),
+        )
+    if named != tail:
+        holes = sorted(set(range(current_size)) - set(named))
+        return _refuse(
+            HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
+            f"removing {_ranks(named)} would leave the active ranks {_ranks(holes)} with a "
+            "hole, and this build removes ranks from the tail only; remove the "
+            f'{len(named)} highest ranks instead ({{"remove_ranks": {_ranks(tail)}}}, the same '
+            f"as new_ep_size {current_size - len(named)}), or relaunch a failed rank with "
+            "--ep-join-mode recover",
+        )
+    return current_size - len(named)
 
 
 def validate_scale(

@@ -84,6 +84,21 @@ def test_scale_down_wait_prints_ranks_safe_to_terminate(
         assert "ranks safe to terminate: [2, 3]" in out
 
 
+def test_scale_remove_names_the_ranks_and_a_hole_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with serving(AutoEngine(), initial=4) as srv:
+        code = run("scale", "--url", srv.url, "--remove", "1")
+        out = capsys.readouterr().out
+        assert code == EXIT_USAGE, out
+        assert '{"remove_ranks": [3]}' in out
+        code = run("scale", "--url", srv.url, "--remove", "3", "2", "--wait",
+                   "--poll-interval", "0.02")
+        out = capsys.readouterr().out
+        assert code == EXIT_OK, out
+        assert "ranks safe to terminate: [2, 3]" in out
+
+
 def test_scale_without_wait_exits_0_once_accepted(
     server: Server, capsys: pytest.CaptureFixture[str]
 ) -> None:
