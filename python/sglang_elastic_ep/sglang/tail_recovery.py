@@ -273,7 +273,7 @@ def gather_masks_expanded_world(
     state = elastic if use_all_reduce else None
     if state is None or state.active_ranks is None:
         result = original(info, device, group, use_all_reduce)
-        repair_after_gather(info, group)
+        repair_after_gather(info)
         return result
     from sglang.srt.runtime_context import get_parallel
 
@@ -289,5 +289,5 @@ def gather_masks_expanded_world(
         result = original(info, device, group, use_all_reduce)
     finally:
         tp_group.active_ranks, tp_group.active_ranks_cpu = saved
-    repair_after_gather(info, group)
+    repair_after_gather(info)
     return result
