@@ -120,3 +120,18 @@ class PhaseTracker:
                 f"allowed next phases: {names}"
             )
         self._stamps.append(PhaseStamp(to, now))
+
+
+class PhaseMachine:
+    """A machine that keeps its phases in a ``PhaseTracker`` (``_tracker``): its current phase
+    and the time it entered each one."""
+
+    _tracker: PhaseTracker
+
+    @property
+    def phase(self) -> Phase:
+        return self._tracker.phase
+
+    @property
+    def phase_stamps(self) -> tuple[PhaseStamp, ...]:
+        return self._tracker.stamps

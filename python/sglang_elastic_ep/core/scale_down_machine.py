@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sglang_elastic_ep.core.agreement import AbortReason
-from sglang_elastic_ep.core.phases import Phase, PhaseStamp, PhaseTracker, Role
+from sglang_elastic_ep.core.phases import Phase, PhaseMachine, PhaseTracker, Role
 
 _RELEASE_STEPS = (Phase.MOVING_EXPERTS, Phase.SWITCHING_PLACEMENT, Phase.RELEASING)
 
 
 @dataclass
-class ScaleDownMachine:
+class ScaleDownMachine(PhaseMachine):
     """Ranks ``[new_size, old_size)`` leave; ``rank`` is this process's EP rank."""
 
     rank: int
@@ -58,14 +58,6 @@ class ScaleDownMachine:
     @property
     def leaving_ranks(self) -> tuple[int, ...]:
         return tuple(range(self.new_size, self.old_size))
-
-    @property
-    def phase(self) -> Phase:
-        return self._tracker.phase
-
-    @property
-    def phase_stamps(self) -> tuple[PhaseStamp, ...]:
-        return self._tracker.stamps
 
     @property
     def draining(self) -> bool:

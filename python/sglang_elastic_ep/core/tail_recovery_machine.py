@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from sglang_elastic_ep.core.phases import Phase, PhaseStamp, PhaseTracker, Role
+from sglang_elastic_ep.core.phases import Phase, PhaseMachine, PhaseTracker, Role
 
 COHORT_CHECK_INTERVAL_S = 0.5  # a store round trip; a replacement takes a minute to start
 
@@ -34,7 +34,7 @@ class ReplacementVerdict(str, enum.Enum):
 
 
 @dataclass
-class TailRecoveryMachine:
+class TailRecoveryMachine(PhaseMachine):
     """Slots ``[first_failed, return_to)`` failed; the survivors serve on ``first_failed``
     ranks until a replacement for all of them is admitted."""
 
@@ -50,14 +50,6 @@ class TailRecoveryMachine:
             raise ValueError(f"a failed tail needs 1 <= first failed slot < size, got slots "
                              f"{self.first_failed}..{self.return_to - 1}")
         self._tracker = PhaseTracker(Role.RECOVERY_SURVIVOR, self.started_at)
-
-    @property
-    def phase(self) -> Phase:
-        return self._tracker.phase
-
-    @property
-    def phase_stamps(self) -> tuple[PhaseStamp, ...]:
-        return self._tracker.stamps
 
     @property
     def awaiting_replacement(self) -> bool:
