@@ -7,6 +7,7 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
@@ -113,6 +114,10 @@ class StallWatch:
         self._plane = plane
         self._detector = StallDetector(threshold_s)
         self._store: KeyValueStore | None = None
+        # The store's reads run here, bounded by READ_TIMEOUT_S: a store whose host (rank 0)
+        # is stopped accepts the connection and never answers.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="elastic-ep-stall-read")
+        self._reading: Future[list[dict[str, Any]]] | None = None
 
     def check(self) -> None:
         waiting = len(getattr(self._tm, "rid_to_state", {}) or {})
@@ -123,21 +128,27 @@ class StallWatch:
         self._plane.observe_stall(since, waiting, positions)
 
     def positions(self, now: float) -> list[RankPosition]:
-        """Where the schedulers of the current size are (empty when unreadable)."""
+        """Where the schedulers of the current size are (empty when unreadable in time)."""
         addr = getattr(getattr(self._tm, "server_args", None), "dist_init_addr", None)
         if not addr:
             return []
-        try:
-            self._store = self._store or rendezvous_store(f"tcp://{addr}", READ_TIMEOUT_S)
-            if self._store is None:
-                return []
+        if self._reading is None or self._reading.done():
             ranks = range(self._plane.status().effective_ep_size)
-            return positions_from_reports(read_reports(self._store, ranks), now)
+            self._reading = self._reader.submit(self._read, f"tcp://{addr}", ranks)
+        try:
+            return positions_from_reports(self._reading.result(timeout=READ_TIMEOUT_S), now)
         except Exception:  # rank 0, which hosts the store, may be the one that is stopped
-            self._store = None
             logger.debug("elastic EP: the schedulers' progress reports are unreadable",
                          exc_info=True)
             return []
+
+    def _read(self, init_method: str, ranks: range) -> list[dict[str, Any]]:
+        try:
+            self._store = self._store or rendezvous_store(init_method, READ_TIMEOUT_S)
+            return [] if self._store is None else read_reports(self._store, ranks)
+        except Exception:
+            self._store = None
+            raise
 
     def start(self, interval_s: float) -> None:
         def run() -> None:

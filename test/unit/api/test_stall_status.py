@@ -67,3 +67,34 @@ def test_a_stall_lists_where_each_scheduler_is() -> None:
     assert [(r["rank"], r["step"]) for r in stalled["ranks"]] == [(0, "gather"), (1, "forward")]
     assert "ranks [0] in step 'gather' for 70 s; ranks [1] in step 'forward'" in \
         stalled["message"]
+
+
+def test_a_store_that_never_answers_leaves_the_positions_empty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 hosts the store; stopped, it accepts connections and never answers. The stall is
+    still reported, without positions, and the watch does not wait on it."""
+    import threading
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep.sglang import background_pollers
+    from sglang_elastic_ep.sglang.background_pollers import StallWatch
+
+    release = threading.Event()
+
+    class SilentStore:
+        def check(self, keys: list[str]) -> bool:
+            release.wait(30)
+            return False
+
+    monkeypatch.setattr(background_pollers, "READ_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(background_pollers, "rendezvous_store", lambda *a: SilentStore())
+    plane = make_plane(engine=FakeEngine(), clock=Clock(0.0))
+    tm = SimpleNamespace(rid_to_state={"a": object()}, last_receive_tstamp=None,
+                         server_args=SimpleNamespace(dist_init_addr="127.0.0.1:1"))
+    watch = StallWatch(tm, plane, threshold_s=5.0)
+    try:
+        assert watch.positions(100.0) == []
+        assert watch.positions(101.0) == []  # the first read still hangs: no second one
+    finally:
+        release.set()
