@@ -47,7 +47,7 @@ class LiveShardRouter:
         are returned too, once each."""
         shards = set(shards)
         self.leaving_down = frozenset(shards & self.leaving)
-        lost_leaving = {}
+        lost_leaving: dict[int, list[str]] = {}
         for shard in sorted(shards & self.leaving):
             running = [r for r in self._by_shard.get(shard, []) if r in in_flight]
             if running:
