@@ -16,6 +16,7 @@ On every other pass the check reads one small host tensor.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ def garbage_rows(rows: Sequence[Sequence[int]], forward_modes: frozenset[int]) -
     return bad
 
 
+@functools.cache
 def _forward_modes() -> frozenset[int]:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 

@@ -90,7 +90,7 @@ def pass_progress(state: Any) -> PassProgress | None:
 def start_pass_progress(state: Any, scheduler: Any) -> PassProgress | None:
     """The progress record on ``state``, built and published on the scheduler loop's first
     iteration (when ``--dist-init-addr`` names the rendezvous store); None outside a
-    distributed run."""
+    distributed run. Later iterations read it with ``pass_progress``."""
     import torch.distributed as dist
 
     if not dist.is_initialized():

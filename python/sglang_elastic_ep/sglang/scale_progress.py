@@ -31,7 +31,11 @@ from sglang_elastic_ep.sglang.gather_agreement import (
 from sglang_elastic_ep.sglang.join_kind import note_join, slot_history
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import end_when_settled, get_logger
-from sglang_elastic_ep.sglang.pass_progress import enter_step, start_pass_progress
+from sglang_elastic_ep.sglang.pass_progress import (
+    enter_step,
+    pass_progress,
+    start_pass_progress,
+)
 from sglang_elastic_ep.sglang.scale_abort import abort_pending_scale
 from sglang_elastic_ep.sglang.scale_down import call_off_scale_down, finalize_scale_down
 from sglang_elastic_ep.sglang.upstream import (
@@ -61,7 +65,7 @@ def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwarg
         return
     gathered = gather_agreement(state).mark_iteration()
     has_batch = getattr(plan, "batch_to_run", None) is not None
-    progress = start_pass_progress(state, scheduler)
+    progress = pass_progress(state) or start_pass_progress(state, scheduler)
     if progress is not None:
         progress.now_in("forward" if has_batch else "idle")
     if has_batch:
