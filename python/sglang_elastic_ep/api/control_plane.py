@@ -46,7 +46,7 @@ from sglang_elastic_ep.core.api_models import (
 from sglang_elastic_ep.core.events import EventLog
 from sglang_elastic_ep.core.health import HealthConfig, RankHealthMonitor, RecoveryRequired
 from sglang_elastic_ep.core.membership import Membership
-from sglang_elastic_ep.core.operations import Operation, OperationRegistry
+from sglang_elastic_ep.core.operations import Admission, Operation, OperationRegistry
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.stall import describe_positions
 from sglang_elastic_ep.core.validation import (
@@ -207,12 +207,13 @@ class InProcessControlPlane:
                 basis = known.old_ep_size if known is not None else current
                 resolved = resolve_removal(request.remove_ranks, basis)
                 if isinstance(resolved, ScaleVerdict):
-                    return ScaleAnswer(status=resolved.status, response=ScaleResponse(
-                        accepted=False, message=resolved.message, reason=resolved.reason,
+                    refusal = Admission(
+                        status=resolved.status, accepted=False, message=resolved.message,
                         old_ep_size=current, new_ep_size=current,
                         phase=self._registry.current_phase(),
-                        operation_id=request.operation_id, instance_id=self._instance_id,
-                    ))
+                        operation_id=request.operation_id, reason=resolved.reason)
+                    return ScaleAnswer(status=refusal.status,
+                                       response=refusal.to_response(self._instance_id))
                 request = request.as_size(resolved)
             verdict = validate_scale(
                 request.target_ep_size,
