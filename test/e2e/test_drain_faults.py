@@ -31,12 +31,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
-from sglang_elastic_ep_testbed.cluster.load import greedy_reference
+from sglang_elastic_ep_testbed.cluster.load import greedy_reference, stream_on_shard
 from sglang_elastic_ep_testbed.cluster.observe import (
     operation_events,
     post_scale,
@@ -59,33 +58,18 @@ LOAD_CLIENTS = 2
 LOST_WITH_SHARD = "failed before it finished"
 
 
-def long_request(url: str, shard: int, running: threading.Event) -> dict:
-    """A long greedy request pinned to ``shard``, streamed; its last chunk."""
-    body = {"text": "a long answer", "routed_dp_rank": shard, "stream": True,
-            "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 0,
-                                "ignore_eos": True}}
-    last: dict = {}
-    with httpx.stream("POST", url + "/generate", json=body, timeout=DRAIN_TIMEOUT_S + 200) as resp:
-        if resp.status_code != 200:
-            return {"status": resp.status_code, "error": resp.read().decode(errors="replace")}
-        for line in resp.iter_lines():
-            if line.startswith("data:") and line.strip() != "data: [DONE]":
-                last = json.loads(line[5:])
-                running.set()
-    return last
-
-
 def states(status: dict) -> list[str]:
     return [r["state"] for r in status["ranks"]]
 
 
 def drain_then(url: str, operation_id: str, fault: Callable[[], None]
-               ) -> tuple[Future[dict], float]:
+               ) -> tuple[Future[list[dict]], float]:
     """POST 3 -> 2 while a long request runs on shard 2, then run ``fault`` once the
-    scale-down drains. The long request's future and when the fault ran."""
+    scale-down drains. The long request's future (its chunks) and when the fault ran."""
     running = threading.Event()
     pool = ThreadPoolExecutor(1)
-    on_shard_2 = pool.submit(long_request, url, 2, running)
+    on_shard_2 = pool.submit(stream_on_shard, url, 2, LONG_TOKENS, running,
+                             DRAIN_TIMEOUT_S + 200)
     pool.shutdown(wait=False)
     wait_until(lambda: running.is_set() or on_shard_2.done(), SERVES_S,
                "the long request running on shard 2", poll_s=0.1)
@@ -130,7 +114,7 @@ def test_a_leaving_rank_killed_mid_drain(tiny_model: Path) -> None:
             lost, killed_at = drain_then(url, "shrink-a",
                                          lambda: cluster.kill_server(joiner_a))
             kills.append(killed_at)
-            last = lost.result(timeout=FAULT_SEEN_S)
+            last = lost.result(timeout=FAULT_SEEN_S)[-1]
             assert LOST_WITH_SHARD in json.dumps(last), last
             done = wait_operation(url, "shrink-a", FAULT_SEEN_S)
             assert done["result"] == "succeeded", done
@@ -176,7 +160,7 @@ def test_a_staying_rank_killed_mid_drain(tiny_model: Path) -> None:
                 url, lambda s: s if states(s)[:3] == ["active", "failed", "active"] else None,
                 FAULT_SEEN_S, "ranks 0 and 2 active, rank 1 failed")
             assert after["effective_ep_size"] == 3, after
-            last = kept.result(timeout=DRAIN_TIMEOUT_S)
+            last = kept.result(timeout=DRAIN_TIMEOUT_S)[-1]
             assert "error" not in last, last
             assert last["meta_info"]["completion_tokens"] == LONG_TOKENS, last
             wait_each_shard_serves(load, [0, 2], SERVES_S, logs={2: joiner.log_path})

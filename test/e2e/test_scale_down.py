@@ -71,7 +71,12 @@ import pytest
 
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
-from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
+from sglang_elastic_ep_testbed.cluster.load import (
+    DEFAULT_PROMPTS,
+    generate,
+    greedy_reference,
+    stream_on_shard,
+)
 from sglang_elastic_ep_testbed.cluster.observe import (
     batches_run_by,
     operation_events,
@@ -115,28 +120,12 @@ def states(url: str) -> list[str]:
     return [r["state"] for r in read_status(url)["ranks"]]
 
 
-def long_streamed_request(url: str, shard: int, first_token: threading.Event) -> list[dict]:
-    """A long greedy request pinned to ``shard``, streamed: ``first_token`` is set once it
-    runs there. Every chunk it sent (the last one has the totals)."""
-    body = {"text": "a long answer", "routed_dp_rank": shard, "stream": True,
-            "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 0,
-                                "ignore_eos": True}}
-    chunks: list[dict] = []
-    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data:") and line.strip() != "data: [DONE]":
-                chunks.append(json.loads(line[5:]))
-                first_token.set()
-    return chunks
-
-
 def shrink_with_a_long_request_on(url: str, shard: int, size: int, operation_id: str) -> None:
     """POST the shrink while a long request runs on ``shard`` (a leaving one): the drain waits
     for it, and a second scale request meanwhile gets 409."""
     running = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        long_request = pool.submit(long_streamed_request, url, shard, running)
+        long_request = pool.submit(stream_on_shard, url, shard, LONG_TOKENS, running, 300)
         # Its first token streamed: it runs on the shard, so the drain must wait for it.
         wait_until(lambda: running.is_set() or long_request.done(), SERVES_S,
                    f"the long request running on shard {shard}", poll_s=0.1)

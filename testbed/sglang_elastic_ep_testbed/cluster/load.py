@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -136,3 +137,22 @@ def longest_gap(results: list[RequestResult], start: float, end: float) -> float
     times = sorted(r.finished for r in results if r.ok and start <= r.finished <= end)
     points = [start, *times, end]
     return max(b - a for a, b in zip(points, points[1:], strict=False))
+
+
+def stream_on_shard(url: str, shard: int, max_new_tokens: int, running: threading.Event,
+                    timeout_s: float) -> list[dict]:
+    """A greedy request pinned to ``shard``, streamed: ``running`` is set once its first token
+    came (it runs there). Every chunk it sent, the last one with the totals; a refused request
+    is one chunk ``{"status", "error"}``."""
+    body = {"text": "a long answer", "routed_dp_rank": shard, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                "ignore_eos": True}}
+    chunks: list[dict] = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=timeout_s) as resp:
+        if resp.status_code != 200:
+            return [{"status": resp.status_code, "error": resp.read().decode(errors="replace")}]
+        for line in resp.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                chunks.append(json.loads(line[5:]))
+                running.set()
+    return chunks
