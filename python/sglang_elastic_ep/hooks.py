@@ -140,6 +140,14 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.world_registration:init_distributed_environment", "AROUND",
          "Mooncake refuses a WORLD registration shorter than the longest rank order it reached:"
          " after a shrink a scale joiner registers for that size, not its top slot + 1"),
+    Hook(f"{S}model_executor.model_runner.ModelRunner.post_capture_elastic_ep_recover",
+         "sglang.launch_recovery:rejoin_with_runner", "AROUND",
+         "the replacement takes on the survivors' size inside its rejoin; that step needs the "
+         "runner (model config, expert map)"),
+    Hook(f"{EEP}.get_healthy_expert_location_src_rank",
+         "sglang.launch_recovery:healthy_source_rank", "AROUND",
+         "upstream gathers over its launch-time `world` group, which differs between ranks "
+         "after a scale; one all-reduce over WORLD also tells a replacement the serving size"),
     Hook(f"{EEP}._try_recover_world", "sglang.world_view:admit_then_wait_for_view", "AROUND",
          "Mooncake applies an admission's view in the background; the next collective "
          "(the expert-map broadcast) must not start on a rank still on the old view"),

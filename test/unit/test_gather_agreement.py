@@ -21,7 +21,7 @@ from sglang_elastic_ep.core.agreement import (
     pack_row,
 )
 from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
-from sglang_elastic_ep.sglang import expert_health, gather_agreement, tail_recovery
+from sglang_elastic_ep.sglang import expert_health, gather_agreement, launch_recovery, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import GatherAgreement
 from sglang_elastic_ep.sglang.gather_agreement import gather_agreement as ga_of
 
@@ -320,8 +320,9 @@ def test_each_change_is_proposed_as_its_step(proposing: SimpleNamespace,
 
     def state(pending: int | None) -> SimpleNamespace:
         mask = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
-        return SimpleNamespace(pending_ep_size=pending, effective_ep_size=3,
-                               active_ranks=mask.clone(), active_ranks_cpu=mask)
+        return SimpleNamespace(pending_ep_size=pending, effective_ep_size=3, has_scaled=True,
+                               original_ep_size=2, active_ranks=mask.clone(),
+                               active_ranks_cpu=mask)
 
     propose = gather_agreement.propose
     assert propose(state(None), proposing, batch_idle=True) == Proposal(2, StepKind.NONE, 0, 0, 3)
@@ -345,6 +346,16 @@ def test_each_change_is_proposed_as_its_step(proposing: SimpleNamespace,
     monkeypatch.setattr(tail_recovery, "contraction_target", lambda state, runner: 2)
     assert propose(state(None), proposing, batch_idle=False) == Proposal(
         2, StepKind.LET_GO, 2, 2, 3)
+    # Launch-time rank 1 failed after the scale: wait for its replacement in WORLD, then take
+    # it back at the size served now (no let-go, whatever contraction_target would say).
+    registered: list[tuple[int, ...]] = []
+    monkeypatch.setattr(launch_recovery, "replacements_registered",
+                        lambda ranks: registered.append(ranks) or len(registered) > 1)
+    lost = state(None)
+    lost.active_ranks_cpu[1] = 0
+    assert propose(lost, proposing, batch_idle=True) == Proposal(2, StepKind.RECOVER, 0, 3, 3)
+    assert propose(lost, proposing, batch_idle=True) == Proposal(2, StepKind.RECOVER, 3, 3, 3)
+    assert registered == [(1,), (1,)]
 
 
 def test_readiness_skew_holds_back_only_the_named_rank_for_its_passes() -> None:

@@ -82,10 +82,17 @@ def test_a_tail_holding_the_last_replica_fails_the_recovery_with_the_reason(wire
     assert len(manager.failed) == 1
 
 
-def test_a_failed_launch_rank_after_a_scale_is_refused_with_the_reason(wired) -> None:
+def test_a_failed_launch_rank_after_a_scale_is_not_let_go_nor_failed(wired) -> None:
+    # it rejoins in place (launch_recovery): no contraction, and the recovery is not failed
     manager, _ = wired(state([1, 0, 1, 0], effective=3), [0, 1, 0, 1, 0, 1])
     assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
-    assert "not the tail" in manager.failed[0]
+    assert manager.failed == []
+
+
+def test_a_launch_rank_and_a_joiner_down_together_are_refused_with_the_reason(wired) -> None:
+    manager, _ = wired(state([1, 0, 0, 0], effective=3), [0, 1, 0, 1, 0, 1])
+    assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
+    assert "restart the deployment" in manager.failed[0]
 
 
 def test_the_gather_keeps_its_width_only_when_world_lost_a_member(

@@ -68,7 +68,7 @@ def _register(monkeypatch: pytest.MonkeyPatch, store: TCPStore, *, joiner: bool,
     """Run the hook around a stand-in for upstream: the WORLD size it registered for."""
     from sglang_elastic_ep.sglang import world_registration
 
-    monkeypatch.setattr(world_registration, "_is_mooncake_scale_joiner", lambda backend: joiner)
+    monkeypatch.setattr(world_registration, "_is_mooncake_joiner", lambda backend: joiner)
     seen: dict[str, int] = {}
 
     def upstream(**kwargs: object) -> None:
@@ -91,3 +91,4 @@ def test_the_hook_leaves_launch_ranks_alone(monkeypatch: pytest.MonkeyPatch, sto
                                             ) -> None:
     raise_world_high_water(store, 4)
     assert _register(monkeypatch, store, joiner=False, asked=2) == 2
+

@@ -52,6 +52,7 @@ class StepKind(enum.IntEnum):
     GROW = 1  # a scale-up: upstream admits the joiners
     SHRINK = 2  # a scale-down: the tail leaves once drained
     LET_GO = 3  # the survivors let go of a failed tail of scale-joined ranks
+    RECOVER = 4  # failed launch-time ranks rejoin in place (their replacements are in WORLD)
 
 
 class AbortReason(enum.IntEnum):

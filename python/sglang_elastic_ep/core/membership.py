@@ -147,7 +147,12 @@ def failed_tail(active: Sequence[int], effective_size: int, launch_size: int) ->
         return None
     first = failed[0]
     problem = None
-    if failed != list(range(first, effective_size)):
+    if all(r < launch_size for r in failed):
+        problem = (
+            f"ranks {failed} were launched with the server: they rejoin in place "
+            "(relaunch their node with --ep-join-mode recover), no slot is let go"
+        )
+    elif failed != list(range(first, effective_size)):
         alive = [r for r in range(first, effective_size) if active[r]]
         problem = (
             f"failed ranks {failed} are not the tail of the {effective_size} ranks (ranks "
@@ -155,8 +160,25 @@ def failed_tail(active: Sequence[int], effective_size: int, launch_size: int) ->
             "re-admitted"
         )
     elif first < launch_size:
+        launched = [r for r in failed if r < launch_size]
         problem = (
-            f"rank {first} was launched with the server ({launch_size} ranks) and the server has "
-            "scaled since: upstream recovers launch-time ranks only in the launch-time world"
+            f"launch-time ranks {launched} and ranks {[r for r in failed if r >= launch_size]} "
+            "that joined by scale-up failed together: the survivors serve on, but bringing "
+            "both kinds back at once is not built; restart the deployment for full size"
         )
     return FailedTail(first=first, effective_size=effective_size, problem=problem)
+
+
+def failed_launch_ranks(active: Sequence[int], effective_size: int,
+                        launch_size: int) -> tuple[int, ...]:
+    """The failed ranks among ``[0, effective_size)`` when every one of them was launched with
+    the server (else ``()``: none failed, or some joined by scale-up).
+
+    Such ranks come back in place at any size: a replacement relaunched with the rank's own
+    arguments rejoins WORLD and the launch-time groups it was in (upstream's recovery), then
+    takes on the size the survivors serve on. Nothing is let go meanwhile: the slots stay in
+    the layout and their experts are served from replicas."""
+    failed = tuple(r for r in range(min(effective_size, len(active))) if not active[r])
+    if failed and all(r < launch_size for r in failed):
+        return failed
+    return ()

@@ -40,7 +40,7 @@ from sglang_elastic_ep.core.agreement import (
     lockstep_verdict,
     pack_row,
 )
-from sglang_elastic_ep.sglang import expert_health, tail_recovery
+from sglang_elastic_ep.sglang import expert_health, launch_recovery, tail_recovery
 from sglang_elastic_ep.sglang.pass_progress import pass_progress
 from sglang_elastic_ep.sglang.pass_round import (
     AGREEMENT_ATTR,
@@ -145,14 +145,20 @@ def readiness_skew(runner: Any) -> ReadinessSkew:
 
 
 def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
-    """This rank's proposal for the pass, from host state only: a scale up or down, or letting
-    go of a failed tail of scale-joined ranks (``tail_recovery``). ``batch_idle``: this rank's
+    """This rank's proposal for the pass, from host state only: a scale up or down, letting go
+    of a failed tail of scale-joined ranks (``tail_recovery``), or taking back failed
+    launch-time ranks in place (``launch_recovery``). ``batch_idle``: this rank's
     batch for the pass holds no request (a leaving rank is ready only then)."""
     tail_recovery.request_return_when_replacement_registered(state)
     rank = runner._elastic_global_rank()
     target = state.pending_ep_size or 0
-    let_go = 0 if target else tail_recovery.contraction_target(state, runner)
-    if let_go:  # every survivor is ready as soon as it sees the failure
+    rejoin = () if target else launch_recovery.ranks_to_rejoin(state)
+    let_go = 0 if target or rejoin else tail_recovery.contraction_target(state, runner)
+    if rejoin:  # ready once every replacement is in WORLD; the size stays
+        kind = StepKind.RECOVER
+        target = int(state.effective_ep_size)
+        ready = target if launch_recovery.replacements_registered(rejoin) else 0
+    elif let_go:  # every survivor is ready as soon as it sees the failure
         kind, target, ready = StepKind.LET_GO, let_go, let_go
     elif target and is_shrink(state):  # a scale-down: leaving ranks wait until they hold none
         kind = StepKind.SHRINK

@@ -283,7 +283,6 @@ def maybe_recover_ep_ranks(
     forward while a rank is missing. Here the missing ranks come from the mirror of that tensor
     (refreshed without blocking) and the host mask; the collective steps are upstream's own.
     """
-    ee = elastic_ep_module()
     mirror = mirror_of(tp_group)
     mirror.poll_refresh()
     mirror.refresh_async()
@@ -296,23 +295,34 @@ def maybe_recover_ep_ranks(
     ]
     if not ranks_to_recover:
         return False
+    return recover_ranks(ranks_to_recover, mirror, eplb_manager=eplb_manager,
+                         model_config=model_config, moe_ep_rank=moe_ep_rank)
+
+
+def recover_ranks(ranks: list[int], mirror: ActiveRanksMirror, *, eplb_manager: Any,
+                  model_config: Any, moe_ep_rank: int) -> bool:
+    """Upstream's recovery steps for replacements of ``ranks`` (every survivor, on the same
+    pass): WORLD and the launch-time groups take them back, the healthy ranks broadcast the
+    expert map, the active masks count them again. False when a replacement is not in WORLD
+    yet (nothing changed)."""
+    ee = elastic_ep_module()
     state = elastic_state()
-    kind = slot_history(state).join_kind(ranks_to_recover) if state is not None else None
-    if not ee.try_recover_ranks(ranks_to_recover):
+    kind = slot_history(state).join_kind(ranks) if state is not None else None
+    if not ee.try_recover_ranks(ranks):
         return False
     # The replacement takes the failed rank's slots: the locations broadcast below put its
     # experts back where they were.
-    _replace_nixl_peers(ranks_to_recover)
+    _replace_nixl_peers(ranks)
     ee.broadcast_global_expert_location_metadata(
         model_config=model_config,
         moe_ep_rank=moe_ep_rank,
         src_rank=ee.get_healthy_expert_location_src_rank(invoked_in_elastic_ep_rejoin_path=False),
     )
     ee.ElasticEPStateManager.instance().reset()
-    mirror.set_active(ranks_to_recover)
+    mirror.set_active(ranks)
     if kind is not None:
-        note_join(state, ranks_to_recover, kind, eplb_manager)
-    logger.info("recover ranks %s done", ranks_to_recover)
+        note_join(state, ranks, kind, eplb_manager)
+    logger.info("recover ranks %s done", ranks)
     return True
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind
 from sglang_elastic_ep.core.phases import Phase
-from sglang_elastic_ep.sglang import tail_recovery
+from sglang_elastic_ep.sglang import launch_recovery, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import (
     agree_by_all_reduce,
     gather_agreement,
@@ -51,6 +51,7 @@ MEMBERSHIP_STEPS = {
     StepKind.GROW: "scale-up to {target}",
     StepKind.SHRINK: "scale-down to {target}",
     StepKind.LET_GO: "let go of failed ranks (serving on {target})",
+    StepKind.RECOVER: "take back failed launch-time ranks (serving on {target})",
 }
 
 
@@ -145,10 +146,12 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         source = "gather"
     if agreed.verdict is LockstepVerdict.WAIT:
         return None
-    if agreed.verdict is LockstepVerdict.NOTHING_PENDING \
-            and tail_recovery.contraction_target(state, runner):
+    if agreed.verdict is LockstepVerdict.NOTHING_PENDING and (
+            launch_recovery.ranks_to_rejoin(state)
+            or tail_recovery.contraction_target(state, runner)):
         # A rank failed during this pass's forward, after the gather: upstream's step would
-        # declare the failure unrecoverable. The next pass's gather carries the let-go.
+        # declare the failure unrecoverable. The next pass's gather carries the let-go, or
+        # the wait for a launch-time rank's replacement.
         return None
     if agreed.verdict is LockstepVerdict.ABORT:
         if any(p.kind is StepKind.SHRINK for p in agreed.outcome.proposals if p.abort):
@@ -161,6 +164,9 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         enter_step(state, MEMBERSHIP_STEPS[proposal.kind].format(target=proposal.target))
         if proposal.kind is StepKind.LET_GO:
             return tail_recovery.let_go_of_failed_tail(runner, proposal.target)
+        if proposal.kind is StepKind.RECOVER:
+            return launch_recovery.rejoin_in_place(runner, state,
+                                                   launch_recovery.ranks_to_rejoin(state))
         if proposal.kind is StepKind.SHRINK:
             return finalize_scale_down(runner, proposal.target)
         if proposal.kind is StepKind.GROW:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from sglang_elastic_ep.core.membership import failed_tail
+from sglang_elastic_ep.core.membership import failed_launch_ranks, failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.core.tail_recovery_machine import ReplacementVerdict, TailRecoveryMachine
@@ -97,9 +97,11 @@ def contraction_target(state: Any, runner: Any) -> int:
         return 0
     if state.scale_phase == RECOVERY_UNSUPPORTED:
         return 0
-    tail = failed_tail(live_mask(state), state.effective_ep_size, state.original_ep_size)
-    if tail is None:
-        return 0
+    mask = live_mask(state)
+    tail = failed_tail(mask, state.effective_ep_size, state.original_ep_size)
+    if tail is None or failed_launch_ranks(mask, state.effective_ep_size,
+                                           state.original_ep_size):
+        return 0  # none failed, or launch-time ranks that rejoin in place (launch_recovery)
     problem = tail.problem or _uncovered_without(tail.first, state.effective_ep_size)
     if problem is not None:
         _fail_recovery(runner, state, problem)

@@ -77,21 +77,22 @@ def rendezvous_store(init_method: str, timeout_s: float = STORE_TIMEOUT_S
         return None
 
 
-def _is_mooncake_scale_joiner(backend: str) -> bool:
+def _is_mooncake_joiner(backend: str) -> bool:
     from sglang.srt.runtime_context import get_exec
 
     moe = get_exec().moe
-    return bool(moe.elastic_ep_backend == "mooncake" and moe.is_ep_scale_joiner
+    return bool(moe.elastic_ep_backend == "mooncake" and moe.is_ep_joiner
                 and backend.startswith("mooncake"))
 
 
 def init_distributed_environment(original: Callable[..., Any], *args: Any, **kwargs: Any
                                  ) -> Any:
-    """AROUND ``parallel_state.init_distributed_environment``: a Mooncake scale joiner's WORLD
-    size becomes ``max(its own, the largest so far)`` before WORLD registers."""
+    """AROUND ``parallel_state.init_distributed_environment``: a Mooncake joiner's WORLD size
+    (a scale joiner's, or a launch-time rank's replacement after a scale) becomes
+    ``max(its own, the largest so far)`` before WORLD registers."""
     backend = str(kwargs.get("backend", ""))
     init_method = kwargs.get("distributed_init_method")
-    if args or not init_method or not _is_mooncake_scale_joiner(backend):
+    if args or not init_method or not _is_mooncake_joiner(backend):
         return original(*args, **kwargs)
     store = rendezvous_store(str(init_method))
     if store is None:  # registering at upstream's size still works while WORLD never shrank
@@ -110,3 +111,4 @@ def init_distributed_environment(original: Callable[..., Any], *args: Any, **kwa
     result = original(*args, **kwargs)
     raise_world_high_water(store, int(kwargs["world_size"]))
     return result
+

@@ -1,7 +1,7 @@
 import pytest
 
 from sglang_elastic_ep.core.api_models import RankState
-from sglang_elastic_ep.core.membership import Membership, failed_tail
+from sglang_elastic_ep.core.membership import Membership, failed_launch_ranks, failed_tail
 
 
 def test_rank_states_cover_every_slot_up_to_max() -> None:
@@ -70,17 +70,27 @@ def test_a_failed_rank_before_a_live_one_is_not_a_tail() -> None:
     assert tail.problem is not None and "ranks [3] still serve" in tail.problem
 
 
-def test_a_failed_launch_time_rank_after_a_scale_is_upstreams_to_refuse() -> None:
+def test_failed_launch_time_ranks_after_a_scale_rejoin_in_place() -> None:
+    # rank 1 (launched with the server) failed after a scale-up to 3: it rejoins in place
+    assert failed_launch_ranks([1, 0, 1, 0], effective_size=3, launch_size=2) == (1,)
+    tail = failed_tail([1, 0, 1, 0], effective_size=3, launch_size=2)
+    assert tail is not None and tail.problem is not None and "rejoin in place" in tail.problem
+    # after a shrink below the launch size, a failed rank inside the size is a launch rank
+    assert failed_tail([1, 1, 0, 0], effective_size=2, launch_size=3) is None
+    assert failed_launch_ranks([1, 0, 0, 0], effective_size=2, launch_size=3) == (1,)
+    assert failed_launch_ranks([1, 0, 0, 0], effective_size=4, launch_size=4) == (1, 2, 3)
+
+
+def test_no_rank_rejoins_in_place_when_none_failed_or_a_joiner_failed_too() -> None:
+    assert failed_launch_ranks([1, 1, 1, 0], effective_size=3, launch_size=2) == ()
+    assert failed_launch_ranks([1, 1, 0, 0], effective_size=3, launch_size=2) == ()
+    assert failed_launch_ranks([1, 0, 0, 0], effective_size=3, launch_size=2) == ()
+
+
+def test_a_launch_rank_and_a_joiner_failing_together_name_the_way_that_works() -> None:
     tail = failed_tail([1, 0, 0, 0], effective_size=3, launch_size=2)
     assert tail is not None and tail.first == 1
-    assert tail.problem is not None and "launched with the server" in tail.problem
-
-
-def test_after_a_shrink_below_the_launch_size_a_failed_rank_is_a_launch_rank() -> None:
-    assert failed_tail([1, 1, 0, 0], effective_size=2, launch_size=3) is None
-    tail = failed_tail([1, 0, 0, 0], effective_size=2, launch_size=3)
-    assert tail is not None and list(tail.ranks) == [1]
-    assert tail.problem is not None and "launched with the server" in tail.problem
+    assert tail.problem is not None and "restart the deployment" in tail.problem
 
 
 @pytest.mark.parametrize("effective, launch", [(5, 2), (0, 2), (2, 0)])

@@ -9,9 +9,9 @@ Each step is one change, derived from the sets (:func:`steps_of`): ``kill`` (the
 ranks), ``recover`` (failed ranks come back: relaunched with ``--ep-join-mode recover``),
 ``grow`` (the next free slots: one joiner each, then ``POST /scale_elastic_ep``), ``shrink``
 (the tail: ``POST /scale_elastic_ep``; the released servers exit 0). What the plugin does not
-do yet is refused before the cluster starts, with the reason: a launch-time rank killed after
-a scale (upstream answers ``recovery_unsupported``), a removal other than the tail, a killed
-rank 0 (it hosts the HTTP server), growing while ranks are failed.
+do yet is refused before the cluster starts, with the reason: launch-time and scale-joined ranks
+down at the same time after a scale, a removal other than the tail, a killed rank 0 (it hosts
+the HTTP server), growing while ranks are failed.
 
 After every step the runner checks what an orchestrator would: the status shows exactly the
 step's set active (killed ranks ``failed``, everything else inactive) and every active shard
@@ -106,11 +106,11 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
         if set(active) != before - set(killed):
             raise PlanError(f"step {i}: a kill step only kills: expected the others "
                             f"{sorted(before - set(killed))} active, got {active}")
-        launch_killed = [r for r in killed if r < launch_size]
-        if launch_killed and scaled:
-            raise PlanError(f"step {i}: launch-time ranks {launch_killed} killed after a scale: "
-                            "their recovery is not built (upstream answers recovery_unsupported)")
         joiners = [r for r in killed if r >= launch_size]
+        down = failed | set(killed)
+        if scaled and any(r < launch_size for r in down) and any(r >= launch_size for r in down):
+            raise PlanError(f"step {i}: launch-time and scale-joined ranks down together "
+                            f"({sorted(down)}): bringing both kinds back is not built")
         if joiners and joiners != list(range(max(before) + 1 - len(joiners), max(before) + 1)):
             raise PlanError(f"step {i}: killed joiners {joiners} must be the active set's tail")
         return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))))

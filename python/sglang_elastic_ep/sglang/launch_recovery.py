@@ -1,0 +1,197 @@
+"""Launch-time ranks that fail after a scale rejoin in place (upstream: ``recovery_unsupported``).
+
+Upstream recovers a failed launch-time rank by rebuilding the launch-time world: its
+replacement registers in WORLD and in every launch-time group, and the survivors take it back
+(``try_recover_ranks``), broadcast the expert map and count it active again. After any scale
+upstream refuses: WORLD has grown past the launch size, so the replacement's registration was
+rejected, and a scale-joined survivor has no launch-time group with the failed rank in it.
+
+Here the replacement registers for the largest WORLD so far (``world_registration``) and takes
+on the size the survivors serve on while it rejoins (``replacement_size``). The survivors
+(launch-time and scale-joined alike) wait, serving, until every replacement is in Mooncake's
+WORLD, then run upstream's recovery steps together on one agreed pass
+(``StepKind.RECOVER`` in the gather): each survivor takes the replacement back into the groups
+it shares with it (WORLD only, for a scale-joined survivor). No slot leaves the layout
+meanwhile: the failed rank's experts are served from their replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sglang_elastic_ep.core.membership import failed_launch_ranks
+from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
+    mark_ranks_activated,
+    mirror_of,
+    recover_ranks,
+)
+from sglang_elastic_ep.sglang.operation_log import get_logger
+from sglang_elastic_ep.sglang.tail_recovery import live_mask
+from sglang_elastic_ep.sglang.upstream import (
+    elastic_state,
+    expert_location_metadata,
+    state_manager,
+)
+
+logger = get_logger(__name__)
+
+
+def ranks_to_rejoin(state: Any) -> tuple[int, ...]:
+    """The failed launch-time ranks this survivor waits for, after a scale (``()`` before any
+    scale, where upstream's own recovery runs, while a scale is pending, or when some failed
+    rank joined by scale-up)."""
+    if state.pending_ep_size is not None or not state.has_scaled:
+        return ()
+    return failed_launch_ranks(live_mask(state), int(state.effective_ep_size),
+                               int(state.original_ep_size))
+
+
+def replacements_registered(ranks: tuple[int, ...]) -> bool:
+    """Every replacement of ``ranks`` is in Mooncake's WORLD (the local check upstream makes
+    before ``recover_ranks``)."""
+    from mooncake.pg import get_peer_state
+
+    return all(get_peer_state(dist.group.WORLD, list(ranks)))
+
+
+def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
+    """The agreed step, on every survivor in the same pass: upstream's recovery over WORLD and
+    the launch-time groups each survivor shares with the replacements."""
+    logger.info("[elastic-ep] rank %d takes back launch-time ranks %s at %d ranks",
+                runner._elastic_global_rank(), list(ranks), state.effective_ep_size)
+    if recover_ranks(list(ranks), mirror_of(state), eplb_manager=runner.eplb_manager,
+                     model_config=runner.model_config,
+                     moe_ep_rank=runner._elastic_global_rank()):
+        runner.forward_pass_id = 0
+        logger.info("[elastic-ep] launch-time ranks %s rejoined: serving on %d ranks again",
+                    list(ranks), state.effective_ep_size)
+    else:  # every survivor saw them registered on the agreed pass: Mooncake went back on it
+        logger.error("[elastic-ep] launch-time ranks %s left WORLD again before they were taken "
+                     "back: waiting for the next replacement", list(ranks))
+
+
+# --------------------------------------------------------------------- the replacement's side
+
+HEALTHY, REJOINING = 1, 2  # a rank's code in the source-rank exchange (0: no row)
+_REJOINING_RUNNER_ATTR = "_elastic_ep_rejoining_runner"
+
+
+def rejoin_with_runner(original: Callable[[Any], Any], runner: Any) -> Any:
+    """AROUND ``ModelRunner.post_capture_elastic_ep_recover`` (the replacement's rejoin at
+    start-up): the exchange inside it (:func:`healthy_source_rank`) needs the runner to take on
+    the survivors' size before the expert map is broadcast."""
+    state = elastic_state()
+    if state is None:
+        return original(runner)
+    loaded = own_slots(dist.get_rank())
+    setattr(state, _REJOINING_RUNNER_ATTR, runner)
+    try:
+        result = original(runner)
+    finally:
+        setattr(state, _REJOINING_RUNNER_ATTR, None)
+    reload_moved_experts(runner, loaded)
+    return result
+
+
+def own_slots(rank: int) -> list[list[int]] | None:
+    """The logical expert of each of this rank's physical slots, per layer (None: no map)."""
+    metadata = expert_location_metadata()
+    if metadata is None:
+        return None
+    slots = int(metadata.num_local_physical_experts)
+    p2l = metadata.physical_to_logical_map
+    return p2l[:, rank * slots:(rank + 1) * slots].tolist()
+
+
+def reload_moved_experts(runner: Any, loaded: list[list[int]] | None) -> None:
+    """The replacement loaded its experts for the launch layout; an EPLB rebalance or a
+    scale-down's moves since may have put other experts in its slots. Then it loads its
+    experts again from the checkpoint, for the map the survivors broadcast (a local load,
+    before it serves)."""
+    now = own_slots(dist.get_rank())
+    if loaded is None or now is None or now == loaded:
+        return
+    changed = sum(a != b for old, new in zip(loaded, now, strict=True)
+                  for a, b in zip(old, new, strict=True))
+    config = runner.model_config
+    ok, message = runner.weight_updater.update_weights_from_disk(
+        config.model_path, runner.load_config.load_format,
+        weight_name_filter=lambda name: ".experts." in name)
+    if not ok:
+        raise RuntimeError(f"reloading the experts of {changed} moved slots failed: {message}")
+    logger.info("[elastic-ep] rank %d: %d of its expert slots hold other experts than at "
+                "launch: reloaded its experts from the checkpoint", dist.get_rank(), changed)
+
+
+def healthy_source_rank(original: Callable[..., int], *,
+                        invoked_in_elastic_ep_rejoin_path: bool) -> int:
+    """AROUND ``elastic_ep.get_healthy_expert_location_src_rank``: every member of WORLD (the
+    survivors and the replacements, on the same step of a recovery) says whether it is healthy
+    and, if so, the EP size it serves on; the first healthy rank broadcasts the expert map.
+
+    Upstream gathers the flags over its launch-time ``world`` group; after a scale that group
+    differs between ranks (a scale-joined rank built its own), so the exchange is one
+    all-reduce over WORLD instead, where every member has one row. A replacement learns the
+    size the survivors serve on here and takes it on before the broadcast that follows."""
+    state = elastic_state()
+    if state is None or state.active_ranks is None:
+        return original(invoked_in_elastic_ep_rejoin_path=invoked_in_elastic_ep_rejoin_path)
+    rejoining = bool(invoked_in_elastic_ep_rejoin_path)
+    rows = torch.zeros((int(state.active_ranks.numel()), 2), dtype=torch.int64,
+                       device=state.active_ranks.device)
+    own = (REJOINING, 0) if rejoining else (HEALTHY, int(state.effective_ep_size))
+    rows[dist.get_rank()] = torch.tensor(own, dtype=torch.int64)
+    dist.all_reduce(rows, group=dist.group.WORLD)
+    table = rows.cpu().tolist()  # a recovery step, not the per-pass path
+    source = next((r for r, (code, _size) in enumerate(table) if code == HEALTHY), None)
+    if source is None:
+        raise RuntimeError("No healthy rank found for broadcasting expert location metadata: "
+                           f"every member of WORLD is rejoining ({table})")
+    if rejoining:
+        take_on_serving_size(state, int(table[source][1]))
+    return source
+
+
+def take_on_serving_size(state: Any, serving: int) -> None:
+    """On a replacement, before the expert map is broadcast: serve at ``serving`` ranks (the
+    survivors' size), not at the launch size its arguments describe. The same local steps as
+    a scale-up's commit: the expert map's shape, DP attention, the NIXL data plane's size."""
+    from sglang.srt.elastic_ep.elastic_ep import update_dp_attention_for_elastic_ep
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        set_global_expert_location_metadata,
+    )
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    parallel = get_parallel()
+    launch = int(parallel.elastic_ep_initial_size or parallel.tp_size)
+    rank = dist.get_rank()
+    if serving == launch == int(state.effective_ep_size):
+        return  # the deployment never scaled: upstream's recovery as it is
+    runner = getattr(state, _REJOINING_RUNNER_ATTR, None)
+    metadata = expert_location_metadata()
+    if metadata is not None and runner is not None:
+        # Only the shape matters here: the broadcast that follows fills in the survivors' map.
+        slots = metadata.num_physical_experts // launch
+        p2l = metadata.physical_to_logical_map
+        columns = torch.arange(slots * serving) % p2l.shape[1]
+        get_context().override("elastic_ep.scale", ep_size=serving)
+        set_global_expert_location_metadata(
+            ExpertLocationMetadata.init_by_mapping(
+                runner.model_config, physical_to_logical_map=p2l[:, columns].clone(),
+                moe_ep_rank=rank),
+            allow_overwrite=True)
+    state.original_ep_size = launch
+    state.effective_ep_size = serving
+    state.has_scaled = True
+    update_dp_attention_for_elastic_ep(physical_ep_size=serving, physical_ep_rank=rank)
+    manager = state_manager()
+    if manager._on_scale is not None:  # the NIXL data plane: every survivor is a member
+        mark_ranks_activated(range(serving))
+    manager.on_scale(launch, serving)
+    logger.info("[elastic-ep] rank %d rejoins at the size the survivors serve on: %d ranks "
+                "(launched at %d)", rank, serving, launch)
