@@ -226,6 +226,7 @@ class NixlMembership:
         # reconnected) from "nothing happened".
         self._scale_to = 0
         self._connected_ep_size = 0
+        self._connected: set[int] = set()  # ranks whose connect was applied, not disconnected
         self._target_seq = 0
         self._applied_seq = 0
         self._planned_size = 0
@@ -436,13 +437,16 @@ class NixlMembership:
                 if self._before_connect is not None:
                     self._before_connect(buf)
                 buf.connect_ranks(list(step.ranks))
-                self._connected_ep_size = max(self._connected_ep_size, max(step.ranks) + 1)
+                self._connected.update(step.ranks)
             else:
                 buf.disconnect_ranks(list(step.ranks))
                 now = self._clock()
                 for r in step.ranks:
                     self._disconnected_at[r] = now
-                self._connected_ep_size = min(self._connected_ep_size, min(step.ranks))
+                self._connected.difference_update(step.ranks)
+            # Dispatch spans every rank up to the highest connected one: replacing a rank in
+            # the middle (disconnect, then connect) must not cut the ranks above it off.
+            self._connected_ep_size = max(self._connected, default=-1) + 1
             self.applied.append((step.kind, tuple(step.ranks)))
             self._steps.pop(0)
             logger.info(
