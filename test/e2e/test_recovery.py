@@ -6,7 +6,10 @@ survivor keeps serving, the requests node 1 was running end with HTTP 503 and a 
 a hang), the status shows rank 1 failed, and the events reach both SSE and a webhook receiver.
 A process relaunched with ``--ep-join-mode recover`` rejoins; the cluster is back at full size,
 serves on the recovered shard again, and every completed request decoded the reference tokens.
-The steps are the phase plan ``test/plans/kill_a_node_and_recover_it.json``.
+Then the same on the same cluster after a scale-up to 3 (upstream answers
+``recovery_unsupported`` there): node 1 is killed again and its relaunch, with the same
+arguments, rejoins in place at 3 ranks while the scale-joined rank 2 serves on. The steps are
+the phase plan ``test/plans/kill_a_node_and_recover_it.json``.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ PLAN = Path(__file__).parents[1] / "plans" / "kill_a_node_and_recover_it.json"
 
 @pytest.mark.timeout(1200)
 def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
-    """The plan [[0, 1], [0, -1], [0, 1]] (the runner checks the set, the serving shards, the
-    lost requests and the outputs at each step), plus what an orchestrator sees on the way."""
+    """The plan [[0, 1], [0, -1], [0, 1], [0, 1, 2], [0, -1, 2], [0, 1, 2]] (the runner checks
+    the set, the serving shards, the lost requests and the outputs at each step), plus what an
+    orchestrator sees on the way."""
     steps = load_plan(PLAN)
     hook = WebhookReceiver()
     spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics",
@@ -56,7 +60,7 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             assert cli.returncode == 0 and "serving_degraded" in cli.stdout, cli
         elif step.kind == "recover":
             assert current["phase"] == "serving_recovered", current
-            assert current["effective_ep_size"] == 2
+            assert current["effective_ep_size"] == len(step.active), current
 
     try:
         with LocalCluster(spec) as cluster:
@@ -64,21 +68,28 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             # Two clients, back to back: a dead rank is noticed in a forward pass that needs it,
             # and a request routed to the dead shard waits until then; with one client that
             # request alone could leave the survivor idle, and the death unnoticed.
-            reference = run_plan(cluster, steps, concurrency=2,
-                                 after_step=degraded_then_recovered).reference
+            runner = run_plan(cluster, steps, concurrency=2, after_step=degraded_then_recovered)
+            reference = runner.reference
             with httpx.Client() as client:
                 after = {p: generate(client, url, p, 8) for p in DEFAULT_PROMPTS}
             assert all(r.ok for r in after.values()), after
             assert {p: r.output_ids for p, r in after.items()} == reference
+            # The second replacement (after the scale-up) took on the survivors' size.
             recover_log = cluster.followers[1].log_path.read_text(errors="replace")
+            assert "rank 1 rejoins at the size the survivors serve on: 3 ranks (launched at 2)" \
+                in recover_log
             assert " DP1 TP1 EP1] Prefill batch" in recover_log, "shard 1 must serve again"
-            # The survivor took the join for a recovery: rank 1 served before (EPLB reset).
+            # The survivors took the join for a recovery: rank 1 served before (EPLB reset);
+            # after the scale-up both took it back in place, the scale-joined rank 2 too.
             survivor_log = cluster.primary.log_path.read_text(errors="replace")
             assert "ranks [1] joined by recovery (slots active before)" in survivor_log
+            joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
+            for log in (survivor_log, joiner_log):
+                assert "launch-time ranks [1] rejoined: serving on 3 ranks again" in log
             assert metric(url, "sglang:elastic_ep_failed_ranks") == 0.0
             assert (metric(url, "sglang:elastic_ep_degraded_seconds_total") or 0.0) > 0.0
 
-            expected = ["rank_failed", "recovery_required", "rank_recovered"]
+            expected = ["rank_failed", "recovery_required", "rank_recovered"] * 2
             events = sse_events(url)
             assert event_types(events, [1]) == expected, events
             delivered = hook.wait_for(lambda got: event_types(got, [1]) == expected)

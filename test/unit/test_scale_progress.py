@@ -18,7 +18,7 @@ from sglang_elastic_ep.core.agreement import (
     StepKind,
     verdict_from_proposals,
 )
-from sglang_elastic_ep.sglang import scale_progress, tail_recovery
+from sglang_elastic_ep.sglang import launch_recovery, scale_progress, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import AgreedRound, gather_agreement
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on, membership_state_on_host
@@ -65,6 +65,10 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     failed_since_gather = SimpleNamespace(target=0)  # a rank failed in this pass's forward
     monkeypatch.setattr(tail_recovery, "contraction_target",
                         lambda s, r: failed_since_gather.target)
+    launch_failed = SimpleNamespace(ranks=())  # launch-time ranks down after a scale
+    monkeypatch.setattr(launch_recovery, "ranks_to_rejoin", lambda s: launch_failed.ranks)
+    monkeypatch.setattr(launch_recovery, "rejoin_in_place",
+                        lambda r, s, ranks: calls.append(f"take back {list(ranks)}"))
     monkeypatch.setattr(tail_recovery, "note_committed", lambda s: calls.append("noted"))
     monkeypatch.setattr(tail_recovery, "let_go_of_failed_tail",
                         lambda r, t: calls.append(f"let go to {t}"))
@@ -82,7 +86,8 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         scale_progress.agreed_join_step(lambda r: upstream(), runner)
 
     return SimpleNamespace(calls=calls, state=state, run=run,
-                           agreement=gather_agreement(state), failed=failed_since_gather)
+                           agreement=gather_agreement(state), failed=failed_since_gather,
+                           launch_failed=launch_failed)
 
 
 @pytest.mark.parametrize(("agreed", "expected"), [
@@ -272,3 +277,19 @@ def test_a_grow_logs_which_kind_of_join_it_was_and_resets_eplb_for_a_recovery_on
         step.run(lambda: mirror.set_active([slot]))
     assert step.calls == ["skew reset", "noted", *eplb]
     assert f"ranks [{slot}] joined by {kind}" in caplog.text
+
+
+def test_a_failed_launch_rank_after_a_scale_waits_then_is_taken_back_on_the_agreed_pass(
+    step: SimpleNamespace,
+) -> None:
+    # Upstream's step would fail the recovery (recovery_unsupported): it never runs while the
+    # survivors wait for the replacement, and RECOVER takes it back on the agreed pass.
+    step.launch_failed.ranks = (1,)
+    step.agreement.fresh = round_of(LockstepVerdict.NOTHING_PENDING, StepKind.NONE)
+    step.run()
+    step.agreement.fresh = round_of(LockstepVerdict.WAIT, StepKind.RECOVER, target=3)
+    step.run()
+    assert step.calls == []
+    step.agreement.fresh = round_of(LockstepVerdict.ENTER, StepKind.RECOVER, target=3)
+    step.run()
+    assert step.calls == ["skew reset", "take back [1]"]
