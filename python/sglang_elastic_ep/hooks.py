@@ -141,9 +141,9 @@ HOOKS: tuple[Hook, ...] = (
          "Mooncake refuses a WORLD registration shorter than the longest rank order it reached:"
          " after a shrink a scale joiner registers for that size, not its top slot + 1"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.post_capture_elastic_ep_recover",
-         "sglang.launch_recovery:rejoin_with_runner", "AROUND",
-         "the replacement takes on the survivors' size inside its rejoin; that step needs the "
-         "runner (model config, expert map)"),
+         "sglang.launch_recovery:rejoin_then_reload_moved_experts", "AROUND",
+         "a replacement loaded its experts for the launch layout; EPLB or a scale-down may have "
+         "moved others into its slots since"),
     Hook(f"{EEP}.get_healthy_expert_location_src_rank",
          "sglang.launch_recovery:healthy_source_rank", "AROUND",
          "upstream gathers over its launch-time `world` group, which differs between ranks "

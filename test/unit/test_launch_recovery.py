@@ -83,3 +83,66 @@ def test_without_elastic_ep_state_upstreams_exchange_runs(monkeypatch: pytest.Mo
     monkeypatch.setattr(launch_recovery, "elastic_state", lambda: None)
     assert launch_recovery.healthy_source_rank(
         lambda **kwargs: 7, invoked_in_elastic_ep_rejoin_path=False) == 7
+
+
+def test_a_replacement_reloads_its_experts_only_when_its_slots_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    loads: list[tuple[str, str, list[str]]] = []
+    names = ["model.layers.0.mlp.experts.3.w1.weight", "model.layers.0.self_attn.q.weight"]
+
+    def update_weights_from_disk(path: str, load_format: str, weight_name_filter: Any
+                                 ) -> tuple[bool, str]:
+        loads.append((path, load_format, [n for n in names if weight_name_filter(n)]))
+        return ok.value, "disk unreadable"
+
+    ok = SimpleNamespace(value=True)
+    runner = SimpleNamespace(model_config=SimpleNamespace(model_path="/models/m"),
+                             load_config=SimpleNamespace(load_format="auto"),
+                             weight_updater=SimpleNamespace(
+                                 update_weights_from_disk=update_weights_from_disk))
+    now = [[0, 1, 2, 3]]
+    monkeypatch.setattr(launch_recovery, "own_slots", lambda rank: now)
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {}))
+    launch_recovery.reload_moved_experts(runner, [[0, 1, 2, 3]])
+    assert loads == []  # the survivors' map kept its slots: nothing to load
+    launch_recovery.reload_moved_experts(runner, [[0, 1, 3, 2]])
+    assert loads == [("/models/m", "auto", ["model.layers.0.mlp.experts.3.w1.weight"])]
+    ok.value = False
+    with pytest.raises(RuntimeError, match="2 moved slots failed: disk unreadable"):
+        launch_recovery.reload_moved_experts(runner, [[0, 1, 3, 2]])
+
+
+def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt import runtime_context
+    from sglang.srt.elastic_ep import elastic_ep
+
+    done: list[object] = []
+    monkeypatch.setattr(runtime_context, "get_parallel",
+                        lambda: SimpleNamespace(elastic_ep_initial_size=2, tp_size=2))
+    monkeypatch.setattr(runtime_context, "get_context", lambda: SimpleNamespace(
+        override=lambda name, **kw: done.append(("override", kw["ep_size"]))))
+    monkeypatch.setattr(elastic_ep, "update_dp_attention_for_elastic_ep",
+                        lambda **kw: done.append(("dp", kw["physical_ep_size"],
+                                                  kw["physical_ep_rank"])))
+    manager = SimpleNamespace(_on_scale=object(),
+                              on_scale=lambda old, new: done.append(("nixl", old, new)))
+    monkeypatch.setattr(launch_recovery, "state_manager", lambda: manager)
+    monkeypatch.setattr(launch_recovery, "mark_ranks_activated",
+                        lambda ranks: done.append(("activated", list(ranks))))
+    metadata = SimpleNamespace(num_physical_experts=32,
+                               physical_to_logical_map=torch.zeros((2, 32), dtype=torch.int64))
+    monkeypatch.setattr(launch_recovery, "expert_location_metadata", lambda: metadata)
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {}))
+    # registered WORLD at the high water (3): upstream made that its size, and the launch's
+    replacement = survivor([0, 1, 0, 0], effective=3, launch=3, scaled=False)
+    launch_recovery.take_on_serving_size(replacement, 3)
+    assert tuple(metadata.physical_to_logical_map.shape) == (2, 48)  # 16 slots x 3 ranks
+    assert (replacement.effective_ep_size, replacement.original_ep_size,
+            replacement.has_scaled) == (3, 2, True)
+    assert done == [("override", 3), ("dp", 3, 1), ("activated", [0, 1, 2]), ("nixl", 2, 3)]
+    # before any scale: upstream's recovery as it is
+    done.clear()
+    never_scaled = survivor([0, 1, 0, 0], effective=2, launch=2, scaled=False)
+    launch_recovery.take_on_serving_size(never_scaled, 2)
+    assert done == [] and never_scaled.has_scaled is False

@@ -7,7 +7,7 @@ upstream refuses: WORLD has grown past the launch size, so the replacement's reg
 rejected, and a scale-joined survivor has no launch-time group with the failed rank in it.
 
 Here the replacement registers for the largest WORLD so far (``world_registration``) and takes
-on the size the survivors serve on while it rejoins (``replacement_size``). The survivors
+on the size the survivors serve on while it rejoins (``take_on_serving_size``). The survivors
 (launch-time and scale-joined alike) wait, serving, until every replacement is in Mooncake's
 WORLD, then run upstream's recovery steps together on one agreed pass
 (``StepKind.RECOVER`` in the gather): each survivor takes the replacement back into the groups
@@ -77,22 +77,16 @@ def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
 # --------------------------------------------------------------------- the replacement's side
 
 HEALTHY, REJOINING = 1, 2  # a rank's code in the source-rank exchange (0: no row)
-_REJOINING_RUNNER_ATTR = "_elastic_ep_rejoining_runner"
 
 
-def rejoin_with_runner(original: Callable[[Any], Any], runner: Any) -> Any:
+def rejoin_then_reload_moved_experts(original: Callable[[Any], Any], runner: Any) -> Any:
     """AROUND ``ModelRunner.post_capture_elastic_ep_recover`` (the replacement's rejoin at
-    start-up): the exchange inside it (:func:`healthy_source_rank`) needs the runner to take on
-    the survivors' size before the expert map is broadcast."""
-    state = elastic_state()
-    if state is None:
+    start-up, after its weights were loaded for the launch layout): upstream's rejoin, then a
+    reload of its experts if the survivors' map puts other experts in its slots."""
+    if elastic_state() is None:
         return original(runner)
     loaded = own_slots(dist.get_rank())
-    setattr(state, _REJOINING_RUNNER_ATTR, runner)
-    try:
-        result = original(runner)
-    finally:
-        setattr(state, _REJOINING_RUNNER_ATTR, None)
+    result = original(runner)
     reload_moved_experts(runner, loaded)
     return result
 
@@ -161,10 +155,6 @@ def take_on_serving_size(state: Any, serving: int) -> None:
     survivors' size), not at the launch size its arguments describe. The same local steps as
     a scale-up's commit: the expert map's shape, DP attention, the NIXL data plane's size."""
     from sglang.srt.elastic_ep.elastic_ep import update_dp_attention_for_elastic_ep
-    from sglang.srt.eplb.expert_location import (
-        ExpertLocationMetadata,
-        set_global_expert_location_metadata,
-    )
     from sglang.srt.runtime_context import get_context, get_parallel
 
     parallel = get_parallel()
@@ -172,19 +162,17 @@ def take_on_serving_size(state: Any, serving: int) -> None:
     rank = dist.get_rank()
     if serving == launch == int(state.effective_ep_size):
         return  # the deployment never scaled: upstream's recovery as it is
-    runner = getattr(state, _REJOINING_RUNNER_ATTR, None)
     metadata = expert_location_metadata()
-    if metadata is not None and runner is not None:
-        # Only the shape matters here: the broadcast that follows fills in the survivors' map.
+    if metadata is not None:
+        # The broadcast that follows receives into this tensor and then rebuilds the metadata
+        # from it (upstream's broadcast_global_expert_location_metadata): only its shape must
+        # be the survivors' here, nothing reads it before.
         slots = metadata.num_physical_experts // launch
-        p2l = metadata.physical_to_logical_map
-        columns = torch.arange(slots * serving) % p2l.shape[1]
+        metadata.physical_to_logical_map = torch.zeros(
+            (metadata.physical_to_logical_map.shape[0], slots * serving),
+            dtype=metadata.physical_to_logical_map.dtype,
+            device=metadata.physical_to_logical_map.device)
         get_context().override("elastic_ep.scale", ep_size=serving)
-        set_global_expert_location_metadata(
-            ExpertLocationMetadata.init_by_mapping(
-                runner.model_config, physical_to_logical_map=p2l[:, columns].clone(),
-                moe_ep_rank=rank),
-            allow_overwrite=True)
     state.original_ep_size = launch
     state.effective_ep_size = serving
     state.has_scaled = True
