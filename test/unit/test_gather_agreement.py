@@ -350,7 +350,7 @@ def test_each_change_is_proposed_as_its_step(proposing: SimpleNamespace,
     # it back at the size served now (no let-go, whatever contraction_target would say).
     registered: list[tuple[int, ...]] = []
     monkeypatch.setattr(launch_recovery, "replacements_registered",
-                        lambda ranks: registered.append(ranks) or len(registered) > 1)
+                        lambda state, ranks: registered.append(ranks) or len(registered) > 1)
     lost = state(None)
     lost.active_ranks_cpu[1] = 0
     assert propose(lost, proposing, batch_idle=True) == Proposal(2, StepKind.RECOVER, 0, 3, 3)

@@ -146,3 +146,14 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
     never_scaled = survivor([0, 1, 0, 0], effective=2, launch=2, scaled=False)
     launch_recovery.take_on_serving_size(never_scaled, 2)
     assert done == [] and never_scaled.has_scaled is False
+
+
+def test_a_replacement_counts_only_once_the_dead_process_was_seen_gone() -> None:
+    watch = launch_recovery.RejoinWatch()
+    # the pass right after the kill: Mooncake still reports the dead process
+    assert watch.registered((1,), [True]) is False
+    assert watch.registered((1,), [False]) is False  # gone
+    assert watch.registered((1,), [True]) is True  # its replacement registered
+    watch.rejoined([1])
+    assert watch.registered((1,), [True]) is False  # a later failure starts over
+    assert watch.registered((1, 2), [False, True]) is False

@@ -157,7 +157,7 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
     if rejoin:  # ready once every replacement is in WORLD; the size stays
         kind = StepKind.RECOVER
         target = int(state.effective_ep_size)
-        ready = target if launch_recovery.replacements_registered(rejoin) else 0
+        ready = target if launch_recovery.replacements_registered(state, rejoin) else 0
     elif let_go:  # every survivor is ready as soon as it sees the failure
         kind, target, ready = StepKind.LET_GO, let_go, let_go
     elif target and is_shrink(state):  # a scale-down: leaving ranks wait until they hold none

@@ -18,6 +18,7 @@ meanwhile: the failed rank's experts are served from their replicas.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.tail_recovery import live_mask
 from sglang_elastic_ep.sglang.upstream import (
+    attached_state,
     elastic_state,
     expert_location_metadata,
     state_manager,
@@ -50,12 +52,35 @@ def ranks_to_rejoin(state: Any) -> tuple[int, ...]:
                                int(state.original_ep_size))
 
 
-def replacements_registered(ranks: tuple[int, ...]) -> bool:
+@dataclass
+class RejoinWatch:
+    """This survivor's view of the failed launch-time ranks' peer state (one per process, on
+    upstream's ``ElasticEPState``)."""
+
+    seen_gone: set[int] = field(default_factory=set)  # ranks whose peer state read False
+
+    def registered(self, ranks: tuple[int, ...], peer_state: list[bool]) -> bool:
+        """Every rank's replacement is in WORLD: its peer state reads True after it read False
+        since the failure. Right after a kill Mooncake can still report the dead process's
+        state for a moment (seen: True on the pass after the failure, False a moment later);
+        entering on that would send the survivors into a recovery some of them abandon."""
+        self.seen_gone.update(r for r, up in zip(ranks, peer_state, strict=True) if not up)
+        return all(up and r in self.seen_gone for r, up in zip(ranks, peer_state, strict=True))
+
+    def rejoined(self, ranks: list[int]) -> None:
+        self.seen_gone.difference_update(ranks)
+
+
+_WATCH_ATTR = "_elastic_ep_rejoin_watch"
+
+
+def replacements_registered(state: Any, ranks: tuple[int, ...]) -> bool:
     """Every replacement of ``ranks`` is in Mooncake's WORLD (the local check upstream makes
-    before ``recover_ranks``)."""
+    before ``recover_ranks``, read through :class:`RejoinWatch`)."""
     from mooncake.pg import get_peer_state
 
-    return all(get_peer_state(dist.group.WORLD, list(ranks)))
+    peer_state = [bool(up) for up in get_peer_state(dist.group.WORLD, list(ranks))]
+    return attached_state(state, _WATCH_ATTR, RejoinWatch).registered(ranks, peer_state)
 
 
 def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
@@ -67,6 +92,7 @@ def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
                      model_config=runner.model_config,
                      moe_ep_rank=runner._elastic_global_rank()):
         runner.forward_pass_id = 0
+        attached_state(state, _WATCH_ATTR, RejoinWatch).rejoined(list(ranks))
         logger.info("[elastic-ep] launch-time ranks %s rejoined: serving on %d ranks again",
                     list(ranks), state.effective_ep_size)
     else:  # every survivor saw them registered on the agreed pass: Mooncake went back on it
