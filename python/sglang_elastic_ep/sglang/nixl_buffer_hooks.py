@@ -306,10 +306,10 @@ def recover_ranks(ranks: list[int], mirror: ActiveRanksMirror, *, eplb_manager: 
     expert map, the active masks count them again. False when a replacement is not in WORLD
     yet (nothing changed)."""
     ee = elastic_ep_module()
+    if not ee.try_recover_ranks(ranks):
+        return False  # polled every pass until the replacement is in WORLD: nothing else read
     state = elastic_state()
     kind = slot_history(state).join_kind(ranks) if state is not None else None
-    if not ee.try_recover_ranks(ranks):
-        return False
     # The replacement takes the failed rank's slots: the locations broadcast below put its
     # experts back where they were.
     _replace_nixl_peers(ranks)
