@@ -17,6 +17,14 @@ Phases (the plan ``[[0,1],[0,1,2],[0,1],[0,1,2]]``):
   3  scale-up to 3 again, with a new process as rank 2 (the membership waits out the reconnect
      grace). Checked at 3.
 
+Roles of the plan ``[[0,1,2],[0,-1,2],[0,1,2]]`` (``--plan replace-middle``): a rank below the
+top fails and a new process takes its id while the rank above it stays:
+  member       ranks 0, 1 and 2 serve at 3 (phase 0); rank 1 is then killed by the test; ranks 0
+               and 2 wait for the replacement, call ``replace([1])`` and serve at 3 with it
+               (phase 1): the membership disconnects rank 1 and connects it again, and rank 2
+               must stay in the dispatch throughout.
+  replacement  the new rank 1: allocates, says it is ready, attaches at 3 and serves phase 1.
+
 Every connect/disconnect, activation and drain is written with a wall-clock time to a JSONL log
 the test checks for ordering. Timings on one GPU mean nothing; order and results do.
 """
@@ -333,10 +341,45 @@ def joiner(args: argparse.Namespace, buffer: Any, sizing: BufferSizing, nixl_ep:
     m.release()
 
 
+def member(args: argparse.Namespace, buffer: Any, sizing: BufferSizing, nixl_ep: Any) -> None:
+    rank, store, log = args.rank, args.store, args.log
+    m = NixlMembership(reconnect_grace_s=args.grace)
+    m.attach(buffer, rank=rank, max_ep_size=MAX_EP, initial_ep_size=3)
+    serve(buffer, m, sizing, nixl_ep, log, phase=0, rank=rank, ranks=[0, 1, 2])
+    store.barrier("p0/end", 3)
+    if rank == 1:
+        log("waiting_to_be_killed")
+        time.sleep(3600)  # the test kills this process (SIGKILL) here
+    t = store.wait_time("p1/replacement_ready")  # Mooncake: the replacement is in WORLD
+    log("activated", ranks=[1], phase=1, activated_at=t)
+    m.replace([1])
+    assert m.connected_ep_size == 3, "replace must not cut the dispatch before it applies"
+    serve(buffer, m, sizing, nixl_ep, log, phase=1, rank=rank, ranks=[0, 1, 2])
+    store.barrier("end", 3)
+    log("applied", steps=[[k, list(r)] for k, r in m.applied])
+    m.release()
+
+
+def replacement(args: argparse.Namespace, buffer: Any, sizing: BufferSizing,
+                nixl_ep: Any) -> None:
+    rank, store, log = args.rank, args.store, args.log
+    m = NixlMembership(reconnect_grace_s=args.grace)
+    t = store.set_time("p1/replacement_ready")
+    log("activated", ranks=[rank], phase=1, activated_at=t)
+    m.attach(buffer, rank=rank, max_ep_size=MAX_EP, initial_ep_size=3)
+    serve(buffer, m, sizing, nixl_ep, log, phase=1, rank=rank, ranks=[0, 1, 2])
+    store.barrier("end", 3)
+    log("applied", steps=[[k, list(r)] for k, r in m.applied])
+    m.release()
+
+
+ROLES = {"founder": founder, "joiner": joiner, "member": member, "replacement": replacement}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--role", choices=("founder", "joiner"), required=True)
+    p.add_argument("--role", choices=tuple(ROLES), required=True)
     p.add_argument("--tag", default="")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--log-dir", type=Path, required=True)
@@ -364,7 +407,7 @@ def main() -> None:
     buffer = RecordingBuffer(inner, args.log)
     nbytes = sizing.allocate(buffer, nixl_ep.Buffer.get_rdma_size_hint)
     args.log("allocated", num_rdma_bytes=nbytes, max_ep=MAX_EP, pid=os.getpid())
-    (founder if args.role == "founder" else joiner)(args, buffer, sizing, nixl_ep)
+    ROLES[args.role](args, buffer, sizing, nixl_ep)
     args.log("exit")
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import require_cuda
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind
 from sglang_elastic_ep.core.phases import Phase
@@ -184,10 +183,11 @@ def scale_down_verdicts(states: list[SimpleNamespace], device: str,
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_scale_down_reads_the_same_verdicts_on_every_device(
-    device: str, states: list[SimpleNamespace], monkeypatch: pytest.MonkeyPatch
+    device: str, states: list[SimpleNamespace], monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """The CPU case is the twin CI runs; on a GPU both run and must agree."""
     if device == "cuda":
-        require_cuda()
+        request.getfixturevalue("cuda")  # skips, with the reason printed, without a GPU
     W, E, N = LockstepVerdict.WAIT, LockstepVerdict.ENTER, LockstepVerdict.NOTHING_PENDING
     assert scale_down_verdicts(states, device, monkeypatch) == [W, W, E, N]

@@ -178,3 +178,43 @@ def test_phases_2_3_2_3_with_real_nixl_ep(tmp_path: Path, cuda: None, layout: st
         assert conn["ranks"] == [0, 1, 2] and conn["t"] > act["activated_at"]
     assert first(ev, rank=2, tag="a", event="removed")
     assert not [e for e in ev if e["rank"] == 2 and e["event"] == "disconnect_begin"]
+
+
+def test_a_middle_rank_is_replaced_while_the_rank_above_it_serves(tmp_path: Path,
+                                                                  cuda: None) -> None:
+    """The plan ``[[0,1,2],[0,-1,2],[0,1,2]]``: rank 1 is killed (SIGKILL) after serving at 3,
+    a new process takes rank 1, and ranks 0 and 2 replace it (disconnect, then connect rank 1
+    alone). Rank 2 stays connected throughout: the dispatch spans every rank up to the highest
+    connected one. ``nixl_ep`` documents that disconnected ranks "must be at the end of the
+    current remote_ranks list": on rank 0, rank 1 is not."""
+    require_nixl_ep()
+    port = free_port()
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    cluster = Cluster(tmp_path, port)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        for rank, tag in ((0, ""), (1, "a"), (2, "")):
+            cluster.launch(f"rank{rank}{tag}", "--rank", str(rank), "--role", "member",
+                           "--tag", tag)
+        store.wait(["eep/p0/end/done"], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        victim = cluster.procs["rank1a"]
+        os.killpg(victim.pid, signal.SIGKILL)  # the group we started for this worker
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+        cluster.launch("rank1b", "--rank", "1", "--role", "replacement", "--tag", "b")
+        cluster.wait(["rank0", "rank2", "rank1b"], deadline)
+    finally:
+        cluster.kill_all()
+
+    ev = load_events(tmp_path)
+    print("\n".join(f"{e['t']:.3f} rank{e['rank']}{e['tag']} {e['event']} "
+                    f"{e.get('ranks', '')}" for e in ev))
+    ok = {(e["rank"], e["tag"], e["phase"]) for e in ev if e["event"] == "phase_ok"}
+    assert {(0, "", 0), (1, "a", 0), (2, "", 0), (0, "", 1), (2, "", 1), (1, "b", 1)} <= ok
+    for r in (0, 2):
+        applied = first(ev, rank=r, event="applied")["steps"]
+        assert applied == [["connect", [0, 1, 2]], ["disconnect", [1]], ["connect", [1]]]
+        assert all(e["ranks"] == [0, 1, 2] for e in ev
+                   if e["rank"] == r and e["event"] == "phase_ok")
+    assert first(ev, rank=1, tag="b", event="applied")["steps"] == [["connect", [0, 1, 2]]]

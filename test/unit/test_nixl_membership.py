@@ -576,6 +576,7 @@ def test_mirror_hooks_follow_events_and_device_faults_on_cpu(
         ),
     )
     monkeypatch.setattr(hooks, "elastic_ep_module", lambda: upstream)
+    monkeypatch.setattr(hooks, "elastic_state", lambda: None)  # no ElasticEPState set up
     eplb = SimpleNamespace(reset_generator=lambda: done.append("eplb"))
     kw = dict(tp_group=group, eplb_manager=eplb, model_config=None, moe_ep_rank=0)
     assert hooks.maybe_recover_ep_ranks(**kw) is False and calls == []
