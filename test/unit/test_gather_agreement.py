@@ -322,7 +322,8 @@ def test_each_change_is_proposed_as_its_step(proposing: SimpleNamespace,
         mask = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
         return SimpleNamespace(pending_ep_size=pending, effective_ep_size=3, has_scaled=True,
                                original_ep_size=2, active_ranks=mask.clone(),
-                               active_ranks_cpu=mask)
+                               active_ranks_cpu=mask,
+                               scale_phase="idle" if pending is None else "waiting_for_cohort")
 
     propose = gather_agreement.propose
     assert propose(state(None), proposing, batch_idle=True) == Proposal(2, StepKind.NONE, 0, 0, 3)

@@ -55,7 +55,8 @@ def step(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     calls: list[str] = []
     state = SimpleNamespace(active_ranks=torch.ones(4, dtype=torch.int32),
                             active_ranks_cpu=torch.tensor([1, 1, 0, 0], dtype=torch.int32),
-                            pending_ep_size=3, scale_phase="waiting_for_cohort", last_error=None)
+                            pending_ep_size=3, effective_ep_size=2,
+                            scale_phase="waiting_for_cohort", last_error=None)
     runner = SimpleNamespace(_elastic_ep_readiness_skew=SimpleNamespace(
         entered=lambda: calls.append("skew reset")),
         eplb_manager=SimpleNamespace(reset_generator=lambda: calls.append("eplb reset")))
@@ -170,8 +171,9 @@ def test_a_scale_up_failed_by_upstream_on_this_rank_alone_is_logged_by_it(
 def test_a_committed_scale_up_logs_no_failure(
     step: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def upstream_commits() -> None:
+    def upstream_commits() -> None:  # what ElasticEPStateManager.commit_scale leaves
         step.state.pending_ep_size, step.state.scale_phase = None, "serving_expanded"
+        step.state.effective_ep_size = 3
 
     step.agreement.finish(round_of(LockstepVerdict.ENTER))
     step.agreement.mark_iteration()

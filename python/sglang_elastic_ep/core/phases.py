@@ -37,6 +37,7 @@ class Phase(str, enum.Enum):
 class Role(str, enum.Enum):
     """A process's part in an operation driven by a machine of ``core`` (one per role)."""
 
+    SCALE_UP_EXISTING = "scale_up_existing"  # a rank that serves while joiners come in
     SCALE_DOWN_STAYING = "scale_down_staying"
     SCALE_DOWN_LEAVING = "scale_down_leaving"
     RECOVERY_SURVIVOR = "recovery_survivor"  # of a failed tail of scale-joined ranks
@@ -46,13 +47,19 @@ P = Phase
 _F = P.FAILED
 
 INITIAL_PHASE: dict[Role, Phase] = {
+    Role.SCALE_UP_EXISTING: P.WAITING_FOR_COHORT,
     Role.SCALE_DOWN_STAYING: P.DRAINING,
     Role.SCALE_DOWN_LEAVING: P.DRAINING,
     Role.RECOVERY_SURVIVOR: P.SERVING_DEGRADED,
 }
 
-# The release runs on one agreed pass; only the drain before it can be called off.
+# The admission and the release each start on one agreed pass; only the wait before it can be
+# called off.
 TRANSITIONS: dict[Role, dict[Phase, frozenset[Phase]]] = {
+    Role.SCALE_UP_EXISTING: {  # core/scale_up_machine.py
+        P.WAITING_FOR_COHORT: frozenset({P.JOINING, _F}),
+        P.JOINING: frozenset({P.SERVING_EXPANDED, _F}),
+    },
     Role.SCALE_DOWN_STAYING: {
         P.DRAINING: frozenset({P.MOVING_EXPERTS, _F}),
         P.MOVING_EXPERTS: frozenset({P.SWITCHING_PLACEMENT}),

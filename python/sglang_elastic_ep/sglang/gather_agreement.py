@@ -48,8 +48,8 @@ from sglang_elastic_ep.sglang.pass_round import (
     GatherAgreement,
     gather_agreement,
 )
-from sglang_elastic_ep.sglang.scale_abort import abort_reason
 from sglang_elastic_ep.sglang.scale_down import is_shrink, scale_down_state
+from sglang_elastic_ep.sglang.scale_up import abort_reason
 from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
     expert_location_metadata,
@@ -170,7 +170,7 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
     ready = readiness_skew(runner).apply(ready)
     # Only a pending scale is called off: no config lookup or mask read on other passes.
     if kind is StepKind.GROW:
-        abort = abort_reason(state, kind, target, scale_timeout_s())
+        abort = abort_reason(state, scale_timeout_s())
     elif kind is StepKind.SHRINK:
         abort = scale_down_state(state).abort_reason(state, time.monotonic())
     else:

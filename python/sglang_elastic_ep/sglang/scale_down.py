@@ -33,7 +33,7 @@ from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
 from sglang_elastic_ep.sglang.operation_log import get_logger, note_scale_request
-from sglang_elastic_ep.sglang.scale_abort import CANCEL_EP_SIZE, request_cancel, scale_abort_state
+from sglang_elastic_ep.sglang.scale_up import CANCEL_EP_SIZE, request_cancel, scale_up_state
 from sglang_elastic_ep.sglang.tail_release import release_tail
 from sglang_elastic_ep.sglang.upstream import (
     attached_state,
@@ -178,7 +178,7 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
             new_ep_size=state.effective_ep_size, pending_ep_size=state.pending_ep_size,
             scale_phase=state.scale_phase,
         )
-    scale_abort_state(state).last_cancelled = None
+    scale_up_state(state).last_cancelled = None
     down = scale_down_state(state)
     down.scheduler = scheduler
     logger.info("[elastic-ep] scale request for EP size %d (effective %d, phase %s)",

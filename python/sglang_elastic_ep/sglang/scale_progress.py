@@ -36,8 +36,8 @@ from sglang_elastic_ep.sglang.pass_progress import (
     pass_progress,
     start_pass_progress,
 )
-from sglang_elastic_ep.sglang.scale_abort import abort_pending_scale
 from sglang_elastic_ep.sglang.scale_down import call_off_scale_down, finalize_scale_down
+from sglang_elastic_ep.sglang.scale_up import abort_pending_scale, scale_up_machine, settle
 from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
     lockstep_agreement_on,
@@ -172,6 +172,7 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         if proposal.kind is StepKind.GROW:
             return _grow(original, runner, state, proposal, source)
     original(runner)
+    settle(state)  # a commit upstream finishes on a later pass ends the scale-up's machine here
     tail_recovery.note_committed(state)
     return None
 
@@ -190,8 +191,9 @@ def _grow(original: Any, runner: Any, state: Any, proposal: Proposal, source: st
     except ValueError as exc:  # a mix of old and new slots: upstream admits them all
         logger.warning("[elastic-ep] %s", exc)
         kind = None
+    scale_up_machine(state)  # this rank's side of the scale-up, if no proposal built it yet
     original(runner)
-    if state.pending_ep_size is None and state.scale_phase == Phase.FAILED.value:
+    if settle(state) is Phase.FAILED:
         logger.warning("[elastic-ep] rank %d: the scale-up to %d failed on this rank: %s",
                        rank, target, state.last_error)
     tail_recovery.note_committed(state)

@@ -18,7 +18,7 @@ from sglang_elastic_ep.core.operations import Operation
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.routing import LiveShardRouter
 from sglang_elastic_ep.sglang.http_state import HttpAdapterState
-from sglang_elastic_ep.sglang.scale_abort import CANCEL_EP_SIZE
+from sglang_elastic_ep.sglang.scale_up import CANCEL_EP_SIZE
 from sglang_elastic_ep.sglang.tokenizer_hooks import abort_with_503
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class UpstreamEngine:
 
     async def cancel(self, op: Operation) -> tuple[bool, str]:
         """Ask every scheduler to call ``op`` (a scale-up not yet committed) off; they drop it
-        together on a coming pass (``scale_abort``), and ``_watch`` then sees it end."""
+        together on a coming pass (``scale_up``), and ``_watch`` then sees it end."""
         from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
 
         answers = await asyncio.wait_for(

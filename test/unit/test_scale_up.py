@@ -1,5 +1,6 @@
-"""A pending scale-up called off on every rank on the same pass: the cancel request each
-scheduler takes, the abort column it proposes, the verdict, and what dropping it does."""
+"""The driver of a serving rank's scale-up machine (sglang/scale_up.py): the cancel request
+each scheduler takes, the abort column it proposes, the verdict, what dropping it does, and how
+upstream's admission and commit end the machine."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from sglang_elastic_ep.core.agreement import (
     pack_row,
     unpack_rows,
 )
-from sglang_elastic_ep.sglang import scale_abort
-from sglang_elastic_ep.sglang.scale_abort import (
+from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.sglang import scale_up
+from sglang_elastic_ep.sglang.scale_up import (
     abort_pending_scale,
     abort_reason,
     request_cancel,
-    scale_abort_state,
+    scale_up_machine,
+    scale_up_state,
+    settle,
 )
 
 
@@ -33,11 +37,12 @@ def waiting(target: int = 3, since: float = 100.0) -> SimpleNamespace:
 def test_a_cancel_is_taken_while_the_scale_up_waits_and_refused_after() -> None:
     state = waiting()
     assert request_cancel(state) == (True, "cancel of the scale-up to 3 requested")
-    assert abort_reason(state, StepKind.GROW, 3, 600.0, now=101.0) is AbortReason.CANCELLED
+    assert abort_reason(state, 600.0, now=101.0) is AbortReason.CANCELLED
     past = waiting()
-    past.scale_phase = "joining"
+    past.scale_phase = "pending"  # upstream's admission began on the agreed pass
     accepted, message = request_cancel(past)
     assert not accepted and "past its commit point" in message
+    assert scale_up_machine(past).phase is Phase.JOINING  # type: ignore[union-attr]
     idle = SimpleNamespace(pending_ep_size=None, effective_ep_size=3,
                            scale_phase="serving_expanded")
     accepted, message = request_cancel(idle)
@@ -49,11 +54,37 @@ def test_a_cancel_is_taken_while_the_scale_up_waits_and_refused_after() -> None:
 
 def test_a_scale_up_waiting_past_the_timeout_is_called_off() -> None:
     state = waiting(since=100.0)
-    assert abort_reason(state, StepKind.GROW, 3, 600.0, now=650.0) is AbortReason.NONE
-    assert abort_reason(state, StepKind.GROW, 3, 600.0, now=701.0) is AbortReason.TIMED_OUT
-    # Only a scale-up waiting for its joiners is called off this way.
-    assert abort_reason(state, StepKind.SHRINK, 3, 600.0, now=701.0) is AbortReason.NONE
-    assert abort_reason(state, StepKind.GROW, 3, 0.0, now=10_000.0) is AbortReason.NONE
+    assert abort_reason(state, 600.0, now=650.0) is AbortReason.NONE
+    assert abort_reason(state, 600.0, now=701.0) is AbortReason.TIMED_OUT
+    # No limit: never timed out. No scale-up pending: nothing to call off.
+    assert abort_reason(waiting(since=100.0), 0.0, now=10_000.0) is AbortReason.NONE
+    state.pending_ep_size = None
+    assert abort_reason(state, 600.0, now=701.0) is AbortReason.NONE
+
+
+def test_a_new_request_gets_a_new_machine_and_a_commit_ends_it() -> None:
+    state = waiting(target=3)
+    first = scale_up_machine(state)
+    assert first is not None and first.waiting and scale_up_machine(state) is first
+    state.scale_phase = "pending"  # the agreed pass: upstream's admission began
+    assert settle(state) is None and first.phase is Phase.JOINING  # the commit is under way
+    state.pending_ep_size, state.effective_ep_size = None, 3
+    state.scale_phase = "serving_expanded"
+    assert settle(state) is Phase.SERVING_EXPANDED and first.done
+    assert settle(state) is None  # ended once
+    state.pending_ep_size, state.scale_phase = 4, "waiting_for_cohort"
+    second = scale_up_machine(state)
+    assert second is not first and second is not None
+    assert (second.old_size, second.new_size) == (3, 4)
+
+
+def test_upstream_failing_the_admission_ends_the_machine_failed() -> None:
+    state = waiting(target=3)
+    machine = scale_up_machine(state)
+    assert machine is not None
+    state.pending_ep_size, state.scale_phase = None, "failed"  # e.g. a cohort of another size
+    assert settle(state) is Phase.FAILED
+    assert machine.error == "scale-up to 3 failed on this rank; serving on at 2"
 
 
 def test_one_rank_calling_off_is_an_abort_for_all_even_when_all_are_ready() -> None:
@@ -90,7 +121,7 @@ def manager(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def fail_scale(error: str) -> None:
         failed.append(error)
 
-    monkeypatch.setattr(scale_abort, "state_manager",
+    monkeypatch.setattr(scale_up, "state_manager",
                         lambda: SimpleNamespace(fail_scale=fail_scale))
     return failed
 
@@ -110,10 +141,13 @@ def test_dropping_a_cancelled_scale_up_tells_upstream_and_remembers_it(manager: 
 
 def test_a_timed_out_scale_up_is_dropped_with_the_reason(manager: list[str]) -> None:
     state = waiting()
+    scale_up_machine(state, timeout_s=600.0)
     abort_pending_scale(Runner(), state, AbortReason.TIMED_OUT,
                         "the scale to 3 is called off (timed_out)")
-    assert manager == ["scale-up to 3 called off: the scale to 3 is called off (timed_out)"]
-    assert scale_abort_state(state).last_cancelled is None
+    assert manager == ["scale-up to 3 called off: the joiners were not ready within 600 s "
+                       "(--elastic-ep-scale-timeout)"]
+    assert scale_up_state(state).last_cancelled is None
+    assert scale_up_state(state).machine.phase is Phase.FAILED  # type: ignore[union-attr]
 
 
 def test_a_rank_that_has_not_seen_the_request_drops_nothing(manager: list[str]) -> None:
