@@ -21,7 +21,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import section_head, write_section  # noqa: E402
-from _scenario import grow_by_joiner, operation_succeeded, tiny_spec  # noqa: E402
+from _scenario import REPLICATED, grow_by_joiner, operation_succeeded, tiny_spec  # noqa: E402
 
 from sglang_elastic_ep_testbed.cluster import LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.observe import post_scale  # noqa: E402
@@ -69,7 +69,8 @@ def latency_ms(load: LoadClient, since: float, until: float) -> tuple[float, flo
 def run(cycles: int, settle_s: float) -> tuple[list[dict[str, float]], int, int]:
     """The per-cycle figures (cycle 0: before the first), requests and failed requests."""
     rows: list[dict[str, float]] = []
-    with LocalCluster(tiny_spec()) as cluster:
+    # The configuration of the scale-up once seen hanging in its commit (docs/design.md).
+    with LocalCluster(tiny_spec(extra_args=REPLICATED)) as cluster:
         load = LoadClient(cluster.url, concurrency=2, max_new_tokens=8).start()
         try:
             time.sleep(settle_s)
@@ -111,7 +112,8 @@ def main() -> None:
     keys = [k for k in rows[0] if k != "cycle"]
     lines = [
         *section_head(f"Soak: {args.cycles} cycles of 2 -> 3 -> 2 under load",
-                      "A 2-rank primary (`--moe-a2a-backend nixl`, `--max-ep-size 4`), 2 "
+                      "A 2-rank primary (`--moe-a2a-backend nixl`, `--max-ep-size 4`, "
+                      "`--ep-num-redundant-experts 16`: the scale-up once seen hanging), 2 "
                       "clients sending 8-token greedy requests back to back throughout; each "
                       "cycle a scale joiner for rank 2, `new_ep_size: 3`, then `2` (the joiner "
                       "exits 0). Measured after each cycle and `--settle-seconds`; cycle 0 is "
