@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from dp_gather_rows import Info
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind
 from sglang_elastic_ep.core.phases import Phase
@@ -27,30 +28,6 @@ from sglang_elastic_ep.sglang import expert_health, gather_agreement, tail_recov
 from sglang_elastic_ep.sglang.gather_agreement import gather_agreement as agreement_of
 
 RANKS = 3
-IDLE_MODE = 9  # stands in for ForwardMode.IDLE
-
-
-def upstream_row(info: Any, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """As ``MLPSyncBatchInfo._get_local_tensor``: host values, one copy to ``device``."""
-    return torch.tensor([info.num_tokens, info.num_tokens, 1, 0, 1, IDLE_MODE, 0, 0, 1, 0, 0],
-                        device=device, dtype=dtype)
-
-
-def upstream_fallback(info: Any, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.tensor([0, 0, 1, 0, 1, IDLE_MODE, 0, 0, 1, 0, 0], device=device, dtype=dtype)
-
-
-class Info(SimpleNamespace):
-    """``MLPSyncBatchInfo`` with its row builders wrapped by the plugin's hooks."""
-
-    def _get_local_tensor(self, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return gather_agreement.append_agreement_columns(upstream_row, self, device=device,
-                                                         dtype=dtype)
-
-    def _get_fallback_tensor(self, device: Any, dtype: torch.dtype = torch.int64
-                             ) -> torch.Tensor:
-        return gather_agreement.append_blank_columns(upstream_fallback, self, device=device,
-                                                     dtype=dtype)
 
 
 def count_syncs(fn: Callable[[], Any]) -> tuple[int, Any]:

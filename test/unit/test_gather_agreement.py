@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from dp_gather_rows import UPSTREAM_WIDTH, Info, upstream_fallback, upstream_row
 
 from sglang_elastic_ep.core.agreement import (
     PROPOSAL_COLUMNS,
@@ -31,32 +32,6 @@ DEVICES = [
         not torch.cuda.is_available(),
         reason="torch.cuda.is_available() is False: no GPU here, the cuda case is not run")),
 ]
-UPSTREAM_WIDTH = 11  # MLPSyncBatchInfo's own columns in SGLang 0.5.23
-IDLE_MODE = 9  # stands in for ForwardMode.IDLE (never 0 in upstream's rows)
-
-
-def upstream_row(info: Any, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Shaped like ``MLPSyncBatchInfo._get_local_tensor`` (one device copy of host values)."""
-    return torch.tensor([info.num_tokens, info.num_tokens, 1, 0, 1, IDLE_MODE, 0, 0, 1, 0, 0],
-                        device=device, dtype=dtype)
-
-
-def upstream_fallback(info: Any, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.tensor([0, 0, 1, 0, 1, IDLE_MODE, 0, 0, 1, 0, 0], device=device, dtype=dtype)
-
-
-class Info(SimpleNamespace):
-    """An ``MLPSyncBatchInfo`` whose row builders go through our hooks, as HookRegistry's
-    AROUND wrappers do."""
-
-    def _get_local_tensor(self, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return gather_agreement.append_agreement_columns(upstream_row, self, device=device,
-                                                         dtype=dtype)
-
-    def _get_fallback_tensor(self, device: Any, dtype: torch.dtype = torch.int64
-                             ) -> torch.Tensor:
-        return gather_agreement.append_blank_columns(upstream_fallback, self, device=device,
-                                                     dtype=dtype)
 
 
 def info(num_dp_ranks: int, tp_size: int = 1, num_tokens: int = 0) -> Info:
