@@ -2,8 +2,8 @@
 
 Pure: the adapter (``sglang/scale_up.py``) builds one when the rank first sees a scale-up
 pending, asks it on each pass whether to call the scale-up off (a cancel, the timeout), tells
-it when every rank entered the admission on an agreed pass (``core.agreement``), and shows it
-what upstream's admission and commit left. Phases (``core.phases.TRANSITIONS``)::
+it when upstream's admission began (on the pass every rank agreed on, ``core.agreement``), and
+shows it what upstream's admission and commit left. Phases (``core.phases.TRANSITIONS``)::
 
     WAITING_FOR_COHORT --agreed pass--> JOINING --committed at the new size--> SERVING_EXPANDED
        |                                   +--upstream failed it on this rank--> FAILED
@@ -75,7 +75,7 @@ class ScaleUpMachine(PhaseMachine):
     # --- the agreed pass and after ----------------------------------------------------------
 
     def entered(self, now: float) -> None:
-        """Every rank entered upstream's admission and commit on the same agreed pass."""
+        """Upstream's admission began: on the pass every rank agreed on, the commit point."""
         self._tracker.advance(Phase.JOINING, now)
 
     def observe(self, effective_size: int, still_pending: bool, now: float) -> Phase | None:

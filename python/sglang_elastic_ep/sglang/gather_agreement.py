@@ -54,7 +54,6 @@ from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
     expert_location_metadata,
     lockstep_agreement_on,
-    scale_timeout_s,
 )
 
 logger = logging.getLogger(__name__)
@@ -170,7 +169,7 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
     ready = readiness_skew(runner).apply(ready)
     # Only a pending scale is called off: no config lookup or mask read on other passes.
     if kind is StepKind.GROW:
-        abort = abort_reason(state, scale_timeout_s())
+        abort = abort_reason(state)
     elif kind is StepKind.SHRINK:
         abort = scale_down_state(state).abort_reason(state, time.monotonic())
     else:

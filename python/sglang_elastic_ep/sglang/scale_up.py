@@ -22,7 +22,7 @@ from sglang_elastic_ep.core.agreement import AbortReason
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_up_machine import ScaleUpMachine
 from sglang_elastic_ep.sglang.operation_log import get_logger
-from sglang_elastic_ep.sglang.upstream import attached_state, state_manager
+from sglang_elastic_ep.sglang.upstream import attached_state, scale_timeout_s, state_manager
 
 logger = get_logger(__name__)
 
@@ -42,10 +42,11 @@ def scale_up_state(state: Any) -> ScaleUpState:
     return attached_state(state, _STATE_ATTR, ScaleUpState)
 
 
-def scale_up_machine(state: Any, timeout_s: float = 0.0,
+def scale_up_machine(state: Any, timeout_s: float | None = None,
                      now: float | None = None) -> ScaleUpMachine | None:
     """The machine of the scale-up pending on this rank, built on first sight; None when no
-    scale-up is pending. ``timeout_s`` applies to a machine built now."""
+    scale-up is pending. A machine built now waits ``timeout_s`` for the joiners
+    (``--elastic-ep-scale-timeout`` when None)."""
     target = state.pending_ep_size
     if target is None or target <= state.effective_ep_size:
         return None
@@ -56,7 +57,7 @@ def scale_up_machine(state: Any, timeout_s: float = 0.0,
         since = getattr(state, "pending_since", None)
         machine = ScaleUpMachine(old_size=int(state.effective_ep_size), new_size=int(target),
                                  started_at=since if since is not None else now,
-                                 timeout_s=timeout_s)
+                                 timeout_s=scale_timeout_s() if timeout_s is None else timeout_s)
         up.machine = machine
     _follow_upstream(machine, state, now)
     return machine
@@ -90,7 +91,8 @@ def request_cancel(state: Any) -> tuple[bool, str]:
     return accepted, message
 
 
-def abort_reason(state: Any, timeout_s: float, now: float | None = None) -> AbortReason:
+def abort_reason(state: Any, timeout_s: float | None = None,
+                 now: float | None = None) -> AbortReason:
     """Whether this rank calls its pending scale-up off on this pass, and why."""
     machine = scale_up_machine(state, timeout_s, now)
     if machine is None:
