@@ -576,16 +576,18 @@ def test_mirror_hooks_follow_events_and_device_faults_on_cpu(
         ),
     )
     monkeypatch.setattr(hooks, "elastic_ep_module", lambda: upstream)
-    monkeypatch.setattr(hooks, "elastic_state", lambda: None)  # no ElasticEPState set up
+    lookups: list[str] = []  # no ElasticEPState set up; each lookup is counted
+    monkeypatch.setattr(hooks, "elastic_state", lambda: lookups.append("state") or None)
     eplb = SimpleNamespace(reset_generator=lambda: done.append("eplb"))
     kw = dict(tp_group=group, eplb_manager=eplb, model_config=None, moe_ep_rank=0)
     assert hooks.maybe_recover_ep_ranks(**kw) is False and calls == []
     group.active_ranks[2] = 0  # Mooncake evicted rank 2
     assert hooks.maybe_recover_ep_ranks(**kw) is False and calls == [[2]]
+    assert lookups == []  # polled every pass while no replacement is in WORLD: nothing else
     ready["now"] = True  # the replacement joined
     group.active_ranks[2] = 1
     group.active_ranks_cpu[2] = 0  # host copy still stale: upstream ANDs both
-    assert hooks.maybe_recover_ep_ranks(**kw) is True
+    assert hooks.maybe_recover_ep_ranks(**kw) is True and lookups == ["state"]
     # A recovery (rank 2 was active before) keeps EPLB's state: no reset, locations broadcast.
     assert calls[-1] == [2] and done == ["broadcast", "reset"]
     group.active_ranks[2] = 0
