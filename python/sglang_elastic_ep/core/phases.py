@@ -142,3 +142,8 @@ class PhaseMachine:
     @property
     def phase_stamps(self) -> tuple[PhaseStamp, ...]:
         return self._tracker.stamps
+
+    @property
+    def done(self) -> bool:
+        """The machine reached a terminal phase."""
+        return self._tracker.is_terminal

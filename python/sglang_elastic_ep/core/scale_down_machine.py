@@ -63,10 +63,6 @@ class ScaleDownMachine(PhaseMachine):
     def draining(self) -> bool:
         return self.phase is Phase.DRAINING
 
-    @property
-    def done(self) -> bool:
-        return self._tracker.is_terminal
-
     # --- while draining: one call per pass, none of them waits ----------------------------
 
     def confirm_drain(self) -> None:

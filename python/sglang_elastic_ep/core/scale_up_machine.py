@@ -46,10 +46,6 @@ class ScaleUpMachine(PhaseMachine):
     def waiting(self) -> bool:
         return self.phase is Phase.WAITING_FOR_COHORT
 
-    @property
-    def done(self) -> bool:
-        return self._tracker.is_terminal
-
     # --- while waiting for the joiners: one call per pass, none of them waits ---------------
 
     def request_cancel(self) -> tuple[bool, str]:
