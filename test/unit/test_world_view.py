@@ -1,8 +1,20 @@
-"""The wait for Mooncake to apply an admission's view before the next collective."""
+"""Around a Mooncake WORLD view change: the members meet before it, and each waits for the new
+view before the next collective."""
 
 from __future__ import annotations
 
-from sglang_elastic_ep.sglang.world_view import wait_for_local_view
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from sglang_elastic_ep.sglang.world_view import (
+    WorldQuiesce,
+    quiesce_key,
+    store_barrier,
+    wait_for_local_view,
+)
 
 
 class FakeClock:
@@ -42,3 +54,70 @@ def test_a_rank_beyond_the_view_is_not_active() -> None:
     clock = FakeClock()
     assert wait_for_local_view(lambda: [1, 1], [2], timeout_s=0.0, clock=clock,
                                sleep=clock.sleep) is None
+
+
+# ------------------------------------------------------------ the quiesce barrier before a change
+
+
+def _real_store() -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+
+
+def _cross(store: Any, key: str, parties: int, timeout_s: float) -> list[bool]:
+    """Each party on its own client, as each rank has (one client blocks while it waits)."""
+    from torch.distributed import TCPStore
+
+    clients = [TCPStore("127.0.0.1", store.port, is_master=False,
+                        timeout=timedelta(seconds=10)) for _ in range(parties)]
+    with ThreadPoolExecutor(parties) as pool:
+        return list(pool.map(lambda client: store_barrier(client, key, parties, timeout_s),
+                             clients))
+
+
+def test_every_member_passes_once_all_arrived() -> None:
+    store = _real_store()
+    assert _cross(store, "k", 3, 10.0) == [True, True, True]
+
+
+def test_the_same_key_can_be_crossed_again() -> None:
+    store = _real_store()
+    assert _cross(store, "k", 2, 10.0) == [True, True]
+    assert _cross(store, "k", 2, 10.0) == [True, True]
+    assert store.add("k", 0) == 4
+
+
+def test_a_member_that_never_comes_times_the_others_out() -> None:
+    store = _real_store()
+    assert store_barrier(store, "k", 2, timeout_s=0.2) is False
+
+
+def test_the_last_arrival_does_not_wait() -> None:
+    store = _real_store()
+    store.add("k", 1)  # the first member arrived earlier
+    assert store_barrier(store, "k", 2, timeout_s=0.0) is True
+
+
+def test_a_barrier_of_nobody_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one party"):
+        store_barrier(_real_store(), "k", 0, 1.0)
+
+
+def test_each_change_gets_its_own_key() -> None:
+    admit = quiesce_key("admit", [1, 0], [2], epoch=7)
+    assert admit == "elastic-ep/quiesce/admit/members-0,1/ranks-2/epoch-7"
+    assert quiesce_key("admit", [0, 1], [2], epoch=9) != admit
+    assert quiesce_key("release", [0, 1], [2], epoch=7) != admit
+
+
+def test_armed_members_are_used_by_one_change_only() -> None:
+    quiesce = WorldQuiesce()
+    quiesce.arm([2, 0, 1])
+    assert quiesce.take() == (0, 1, 2)
+    assert quiesce.take() == ()
+
+
+def test_a_change_without_an_agreed_step_meets_nobody() -> None:
+    # No members armed: upstream's own path, so no store is asked (none exists here).
+    WorldQuiesce().before_view_change("admit", [2])

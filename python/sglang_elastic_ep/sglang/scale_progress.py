@@ -43,6 +43,7 @@ from sglang_elastic_ep.sglang.upstream import (
     lockstep_agreement_on,
     membership_state_on_host,
 )
+from sglang_elastic_ep.sglang.world_view import world_quiesce
 
 logger = get_logger(__name__)
 
@@ -161,6 +162,10 @@ def agreed_join_step(original: Any, runner: Any) -> None:
     if agreed.verdict is LockstepVerdict.ENTER:
         readiness_skew(runner).entered()
         proposal = agreed.proposal
+        # The all-reduce's round holds this rank's row only: its members are the active ranks.
+        members = ([p.rank for p in agreed.outcome.proposals] if source == "gather"
+                   else mirror_of(state).active_ranks(proposal.serving))
+        world_quiesce(state).arm(members)
         enter_step(state, MEMBERSHIP_STEPS[proposal.kind].format(target=proposal.target))
         if proposal.kind is StepKind.LET_GO:
             return tail_recovery.let_go_of_failed_tail(runner, proposal.target)

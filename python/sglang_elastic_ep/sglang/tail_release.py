@@ -27,6 +27,7 @@ from sglang_elastic_ep.sglang.expert_moves import move_experts_off_leaving_ranks
 from sglang_elastic_ep.sglang.join_kind import slot_history
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import expert_location_metadata, state_manager
+from sglang_elastic_ep.sglang.world_view import world_quiesce
 
 logger = get_logger(__name__)
 
@@ -94,6 +95,7 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
     state.snapshot_active_to_last()
     state.sync_active_to_cpu()
     slot_history(state).release(leaving)  # their experts left the map: a rejoin is a scale-up
+    world_quiesce(state).before_view_change("release", leaving)
     answer = deactivate_ranks(dist.group.WORLD, leaving)
     logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks(%s): %s, epoch %s", rank,
                 leaving, getattr(answer, "status", answer), getattr(answer, "new_epoch", "?"))

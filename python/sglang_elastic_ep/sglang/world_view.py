@@ -12,21 +12,132 @@ a member (docs/design.md).
 
 So after WORLD admits ranks, each rank waits (locally, no collective) until its own view shows
 them active. On the usual path the view is already applied and the wait costs one call.
+
+A view change also needs every member quiet before it (:class:`WorldQuiesce`). A Mooncake
+collective ends with each rank writing a sync flag into every peer's flag array of the
+collective's buffer slot; a rank that has seen all flags clears its whole array. Slots alternate
+with ``taskCount``, so a peer's flag for the next collective normally lands in the other slot.
+Applying a view that changes the active set resets ``taskCount`` to 0: the first collective after
+it can reuse the slot of the last one before it. The coordinator commits an admission (or a
+deactivation) on the first member's proposal, so a fast member (or the joiner it activates) can
+write its flag for the expert-map broadcast while a slow member's worker has not yet cleared the
+same slot after the previous collective: the clear wipes the flag, and the slow member waits in
+the broadcast for it forever while every other rank completes it. So before any member proposes
+the change, the members of the agreed step meet at a barrier in the rendezvous TCPStore (not a
+Mooncake collective): a member arrives only after its last collective returned, and a
+collective returns only after its flags were cleared.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from sglang_elastic_ep.sglang.operation_log import get_logger
+from sglang_elastic_ep.sglang.upstream import attached_state, elastic_state
 
 logger = get_logger(__name__)
 
 VIEW_APPLY_TIMEOUT_S = 60.0
 _POLL_S = 0.01
+# The members act on the same agreed pass, so they arrive within one pass of each other; past
+# this a member is taken to be gone and the change goes ahead without the barrier.
+QUIESCE_TIMEOUT_S = 20.0
+QUIESCE_KEY_PREFIX = "elastic-ep/quiesce"
+_QUIESCE_ATTR = "_eep_world_quiesce"
+
+
+class BarrierStore(Protocol):
+    """The part of ``torch.distributed.TCPStore`` a barrier needs."""
+
+    def add(self, key: str, amount: int) -> int: ...
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
+
+def store_barrier(store: BarrierStore, key: str, parties: int, timeout_s: float) -> bool:
+    """Wait until ``parties`` callers reached ``key``: True when all did within ``timeout_s``.
+
+    The same key may be crossed again (a retried step in the same view): arrivals are counted,
+    and the n-th arrival belongs to crossing ``ceil(n / parties)``, which its last arrival ends."""
+    if parties < 1:
+        raise ValueError(f"a barrier needs at least one party, got {parties}")
+    arrived = store.add(key, 1)
+    crossing = (arrived - 1) // parties + 1
+    done_key = f"{key}/done-{crossing}"
+    if arrived == crossing * parties:
+        store.set(done_key, b"1")
+        return True
+    try:
+        store.wait([done_key], timedelta(seconds=timeout_s))
+    except Exception:  # TCPStore raises on timeout (DistStoreError, a RuntimeError subclass)
+        return False
+    return True
+
+
+def quiesce_key(change: str, participants: Sequence[int], ranks: Sequence[int],
+                epoch: int) -> str:
+    """One key per view change: its kind, who meets, which ranks change, and the Mooncake
+    view epoch it starts from (a later change of the same ranks starts from a later epoch)."""
+    def joined(values: Sequence[int]) -> str:
+        return ",".join(str(v) for v in sorted(values))
+
+    return (f"{QUIESCE_KEY_PREFIX}/{change}/members-{joined(participants)}"
+            f"/ranks-{joined(ranks)}/epoch-{epoch}")
+
+
+@dataclass
+class WorldQuiesce:
+    """Who meets before the next view change of WORLD: the ranks of the pass that agreed on the
+    step (armed on that pass, used once by the change it leads to)."""
+
+    participants: tuple[int, ...] = ()
+
+    def arm(self, participants: Sequence[int]) -> None:
+        self.participants = tuple(sorted(participants))
+
+    def take(self) -> tuple[int, ...]:
+        """The participants, once: a change upstream makes without an agreed step (none armed)
+        keeps upstream's behaviour."""
+        found, self.participants = self.participants, ()
+        return found
+
+    def before_view_change(self, change: str, ranks: Sequence[int]) -> None:
+        """Meet the step's other members in the rendezvous store before proposing ``change``."""
+        participants = self.take()
+        if len(participants) < 2:
+            return
+        from mooncake.pg import get_current_epoch
+        from sglang.srt.distributed.utils import get_global_tcp_store
+
+        store = get_global_tcp_store()
+        if store is None:
+            logger.warning("[elastic-ep] no rendezvous store: %s of %s without the quiesce "
+                           "barrier", change, list(ranks))
+            return
+        key = quiesce_key(change, participants, ranks, get_current_epoch(dist.group.WORLD))
+        start = time.monotonic()
+        met = store_barrier(store, key, len(participants), QUIESCE_TIMEOUT_S)
+        waited = time.monotonic() - start
+        if met:
+            logger.info("[elastic-ep] rank %d: members %s quiet before %s of %s (waited %.2f s)",
+                        dist.get_rank(), list(participants), change, list(ranks), waited)
+        else:  # a member never came: it failed, and its failure is handled on a later pass
+            logger.warning("[elastic-ep] rank %d: not every member of %s reached the quiesce "
+                           "barrier before %s of %s within %.0f s; going ahead",
+                           dist.get_rank(), list(participants), change, list(ranks), waited)
+
+
+def world_quiesce(state: Any) -> WorldQuiesce:
+    """This process's :class:`WorldQuiesce`, kept on upstream's elastic state."""
+    return attached_state(state, _QUIESCE_ATTR, WorldQuiesce)
 
 
 def wait_for_local_view(
@@ -52,6 +163,9 @@ def wait_for_local_view(
 def admit_then_wait_for_view(original: Callable[[list[int]], bool], global_ranks: list[int]
                              ) -> bool:
     """AROUND ``elastic_ep._try_recover_world`` (scale-up admission and rank recovery)."""
+    state = elastic_state()
+    if state is not None:
+        world_quiesce(state).before_view_change("admit", global_ranks)
     if not original(global_ranks):
         return False
     from mooncake.pg import get_active_ranks, get_current_epoch
