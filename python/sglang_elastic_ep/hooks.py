@@ -140,6 +140,13 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.world_registration:init_distributed_environment", "AROUND",
          "Mooncake refuses a WORLD registration shorter than the longest rank order it reached:"
          " after a shrink a scale joiner registers for that size, not its top slot + 1"),
+    Hook(f"{S}model_executor.model_runner.join_scale_process_group",
+         "sglang.scale_up_joiner:join_world", "AROUND",
+         "a scale joiner's side of the scale-up runs as a machine; its start-up steps block, so "
+         "each one's end is told to it: here its wait for admission"),
+    Hook(f"{S}model_executor.model_runner.ModelRunner._finalize_elastic_ep_joiner",
+         "sglang.scale_up_joiner:commit_joining", "AROUND",
+         "the joiner's commit barrier with the serving ranks, then serving"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.post_capture_elastic_ep_recover",
          "sglang.launch_recovery:rejoin_then_reload_moved_experts", "AROUND",
          "a replacement loaded its experts for the launch layout; EPLB or a scale-down may have "
@@ -149,8 +156,8 @@ HOOKS: tuple[Hook, ...] = (
          "upstream gathers over its launch-time `world` group, which differs between ranks "
          "after a scale; one all-reduce over WORLD also tells a replacement the serving size"),
     Hook(f"{EEP}._try_recover_world", "sglang.world_view:admit_then_wait_for_view", "AROUND",
-         "Mooncake applies an admission's view in the background; the next collective "
-         "(the expert-map broadcast) must not start on a rank still on the old view"),
+         "the members meet before the admission (a slow member's flag clear would wipe the "
+         "first flag of the broadcast after it) and each waits for the new view after it"),
     Hook(f"{EEP}.maybe_rebalance_after_rank_fault",
          "sglang.scale_progress:rebalance_after_rank_fault", "AROUND",
          "without --enable-eplb upstream dereferences a None EPLB manager on a rank fault"),

@@ -38,6 +38,7 @@ class Role(str, enum.Enum):
     """A process's part in an operation driven by a machine of ``core`` (one per role)."""
 
     SCALE_UP_EXISTING = "scale_up_existing"  # a rank that serves while joiners come in
+    SCALE_UP_JOINING = "scale_up_joining"  # a scale joiner, from its start-up to serving
     SCALE_DOWN_STAYING = "scale_down_staying"
     SCALE_DOWN_LEAVING = "scale_down_leaving"
     RECOVERY_SURVIVOR = "recovery_survivor"  # of a failed tail of scale-joined ranks
@@ -48,6 +49,7 @@ _F = P.FAILED
 
 INITIAL_PHASE: dict[Role, Phase] = {
     Role.SCALE_UP_EXISTING: P.WAITING_FOR_COHORT,
+    Role.SCALE_UP_JOINING: P.PENDING,
     Role.SCALE_DOWN_STAYING: P.DRAINING,
     Role.SCALE_DOWN_LEAVING: P.DRAINING,
     Role.RECOVERY_SURVIVOR: P.SERVING_DEGRADED,
@@ -59,6 +61,11 @@ TRANSITIONS: dict[Role, dict[Phase, frozenset[Phase]]] = {
     Role.SCALE_UP_EXISTING: {  # core/scale_up_machine.py
         P.WAITING_FOR_COHORT: frozenset({P.JOINING, _F}),
         P.JOINING: frozenset({P.SERVING_EXPANDED, _F}),
+    },
+    Role.SCALE_UP_JOINING: {  # core/scale_up_machine.py: JoinerMachine
+        P.PENDING: frozenset({P.JOINING, _F}),
+        P.JOINING: frozenset({P.SYNCING_NEW_WORLD, _F}),
+        P.SYNCING_NEW_WORLD: frozenset({P.SERVING_EXPANDED, _F}),
     },
     Role.SCALE_DOWN_STAYING: {
         P.DRAINING: frozenset({P.MOVING_EXPERTS, _F}),

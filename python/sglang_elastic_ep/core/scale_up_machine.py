@@ -1,17 +1,26 @@
-"""One serving rank's side of one scale-up: a rank that is active while joiners come in.
+"""The two sides of one scale-up: a rank that serves while joiners come in, and a joiner.
 
-Pure: the adapter (``sglang/scale_up.py``) builds one when the rank first sees a scale-up
-pending, asks it on each pass whether to call the scale-up off (a cancel, the timeout), tells
-it when upstream's admission began (on the pass every rank agreed on, ``core.agreement``), and
-shows it what upstream's admission and commit left. Phases (``core.phases.TRANSITIONS``)::
+The serving rank's side (:class:`ScaleUpMachine`). Pure: the adapter (``sglang/scale_up.py``)
+builds one when the rank first sees a scale-up pending, asks it on each pass whether to call the
+scale-up off (a cancel, the timeout), tells it when upstream's admission began (on the pass
+every rank agreed on, ``core.agreement``), and shows it what upstream's admission and commit
+left. Phases (``core.phases.TRANSITIONS``)::
 
     WAITING_FOR_COHORT --agreed pass--> JOINING --committed at the new size--> SERVING_EXPANDED
        |                                   +--upstream failed it on this rank--> FAILED
        +--called off on an agreed pass (cancelled, timed out)--> FAILED
 
 The agreed pass is the commit point: a cancel is taken before it and refused after it.
-Joiners run no scheduler pass until they are admitted; their side is upstream's start-up
-(``_finalize_elastic_ep_joiner``) and needs no machine of ours. Nothing here waits.
+
+The joiner's side (:class:`JoinerMachine`). A joiner runs no scheduler pass until it serves:
+its side is upstream's start-up, which blocks in each step, so the adapter
+(``sglang/scale_up_joiner.py``) tells the machine when each step returned::
+
+    PENDING --admitted into WORLD--> JOINING --map received, graphs built--> SYNCING_NEW_WORLD
+       --met the serving ranks at the commit barrier--> SERVING_EXPANDED
+    (any of them --a step raised--> FAILED)
+
+Nothing here waits.
 """
 
 from __future__ import annotations
@@ -99,3 +108,49 @@ class ScaleUpMachine(PhaseMachine):
             self.error = f"scale-up to {self.new_size} called off: {detail or reason.name}"
         self._tracker.advance(Phase.FAILED, now)
         return self.error
+
+
+@dataclass
+class JoinerMachine(PhaseMachine):
+    """A scale joiner for EP ranks ``join_offset..new_size-1``, from the registration of its
+    cohort (``started_at``) to serving at ``new_size``."""
+
+    join_offset: int  # the first EP rank this joiner takes
+    new_size: int
+    started_at: float  # monotonic seconds
+    error: str | None = None
+    _tracker: PhaseTracker = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.join_offset < self.new_size:
+            raise ValueError(f"a scale joiner needs 1 <= first rank < new size, got first rank "
+                             f"{self.join_offset}, new size {self.new_size}")
+        self._tracker = PhaseTracker(Role.SCALE_UP_JOINING, self.started_at)
+
+    @property
+    def ranks(self) -> range:
+        return range(self.join_offset, self.new_size)
+
+    def admitted(self, now: float) -> None:
+        """The serving ranks admitted it into WORLD (upstream's ``join_scale_process_group``
+        returned): it receives the expert map and builds its graphs next."""
+        self._tracker.advance(Phase.JOINING, now)
+
+    def syncing(self, now: float) -> None:
+        """It enters the commit barrier with the serving ranks."""
+        self._tracker.advance(Phase.SYNCING_NEW_WORLD, now)
+
+    def serving(self, now: float) -> None:
+        self._tracker.advance(Phase.SERVING_EXPANDED, now)
+
+    def fail(self, error: str, now: float) -> None:
+        """A step of its start-up raised ``error``; a machine already done keeps its end."""
+        if self.done:
+            return
+        self.error = error
+        self._tracker.advance(Phase.FAILED, now)
+
+    def seconds_in_phases(self) -> dict[Phase, float]:
+        """How long it spent in each phase it has left (its start-up's breakdown)."""
+        stamps = self.phase_stamps
+        return {a.phase: b.at - a.at for a, b in zip(stamps, stamps[1:], strict=False)}

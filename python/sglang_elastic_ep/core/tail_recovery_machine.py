@@ -11,8 +11,8 @@ what the replacement's registration means, and reports what upstream's scale-up 
     REJOINING --the re-admission failed--> AWAITING_REPLACEMENT (the next replacement is awaited)
     AWAITING_REPLACEMENT --the failed slots removed by a scale-down--> SERVING_CONTRACTED
 
-The replacement itself joins the way the failed ranks first came in, as upstream's scale
-joiner; it needs no machine of ours. Nothing here waits: each call answers in O(1).
+The replacement itself joins the way the failed ranks first came in, as a scale joiner
+(``scale_up_machine.JoinerMachine``). Nothing here waits: each call answers in O(1).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 
 from sglang_elastic_ep.core.agreement import AbortReason
 from sglang_elastic_ep.core.phases import IllegalTransition, Phase
-from sglang_elastic_ep.core.scale_up_machine import ScaleUpMachine
+from sglang_elastic_ep.core.scale_up_machine import JoinerMachine, ScaleUpMachine
 
 
 def machine(timeout_s: float = 60.0) -> ScaleUpMachine:
@@ -70,3 +70,53 @@ def test_a_commit_that_fails_on_this_rank_ends_failed() -> None:
 def test_bad_sizes_and_timeouts_are_refused(old: int, new: int, timeout: float) -> None:
     with pytest.raises(ValueError):
         ScaleUpMachine(old_size=old, new_size=new, started_at=0.0, timeout_s=timeout)
+
+
+# ------------------------------------------------------------------------ the joiner's side
+
+
+def joiner(offset: int = 2, new_size: int = 3) -> JoinerMachine:
+    return JoinerMachine(join_offset=offset, new_size=new_size, started_at=10.0)
+
+
+def test_a_joiner_goes_from_pending_to_serving_and_says_how_long_each_step_took() -> None:
+    machine = joiner()
+    assert machine.phase is Phase.PENDING and list(machine.ranks) == [2]
+    machine.admitted(25.0)
+    assert machine.phase is Phase.JOINING
+    machine.syncing(40.0)
+    assert machine.phase is Phase.SYNCING_NEW_WORLD
+    machine.serving(40.5)
+    assert machine.phase is Phase.SERVING_EXPANDED and machine.done
+    assert machine.seconds_in_phases() == {Phase.PENDING: 15.0, Phase.JOINING: 15.0,
+                                           Phase.SYNCING_NEW_WORLD: 0.5}
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2])
+def test_a_step_that_raises_ends_the_joiner_failed(steps: int) -> None:
+    machine = joiner()
+    for step in (machine.admitted, machine.syncing)[:steps]:
+        step(11.0)
+    machine.fail("RuntimeError: peer gone", 12.0)
+    assert machine.phase is Phase.FAILED and machine.error == "RuntimeError: peer gone"
+    machine.fail("a later error", 13.0)  # the first failure is the one reported
+    assert machine.error == "RuntimeError: peer gone"
+
+
+def test_a_joiner_cannot_skip_its_admission_or_serve_twice() -> None:
+    machine = joiner()
+    with pytest.raises(IllegalTransition):
+        machine.syncing(11.0)
+    machine.admitted(11.0)
+    machine.syncing(12.0)
+    machine.serving(13.0)
+    with pytest.raises(IllegalTransition):
+        machine.serving(14.0)
+    machine.fail("late", 15.0)  # a serving joiner keeps its end
+    assert machine.phase is Phase.SERVING_EXPANDED
+
+
+@pytest.mark.parametrize(("offset", "new_size"), [(0, 2), (3, 3), (4, 3)])
+def test_a_joiner_outside_the_new_size_is_refused(offset: int, new_size: int) -> None:
+    with pytest.raises(ValueError, match="1 <= first rank < new size"):
+        JoinerMachine(join_offset=offset, new_size=new_size, started_at=0.0)

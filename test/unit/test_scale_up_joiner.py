@@ -1,0 +1,80 @@
+"""The driver of a scale joiner's machine (sglang/scale_up_joiner.py): upstream's start-up steps,
+each one's end told to the machine, and a step that raises."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.sglang import scale_up_joiner
+from sglang_elastic_ep.sglang.scale_up_joiner import commit_joining, join_world, joiner_machine
+
+
+@pytest.fixture
+def joiner_process(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """A scale joiner for EP rank 2 of 3 (one attention-TP rank), with upstream's state."""
+    import sglang.srt.runtime_context as runtime_context
+
+    state = SimpleNamespace()
+    moe = SimpleNamespace(elastic_ep_backend="mooncake", is_ep_scale_joiner=True)
+    monkeypatch.setattr(scale_up_joiner, "elastic_state", lambda: state)
+    monkeypatch.setattr(runtime_context, "get_exec", lambda: SimpleNamespace(moe=moe))
+    monkeypatch.setattr(runtime_context, "get_parallel",
+                        lambda: SimpleNamespace(ep_join_rank_offset=2, tp_size=1))
+    return moe
+
+
+def phase() -> str:
+    machine = joiner_machine()
+    return "none" if machine is None else machine.phase.value
+
+
+def test_each_step_of_the_start_up_moves_the_joiner_on(joiner_process: SimpleNamespace) -> None:
+    steps: list[str] = []
+    join_world(lambda: steps.append(f"in join_group: {phase()}"))
+    steps.append(f"after admission: {phase()}")
+    commit_joining(lambda runner, size: steps.append(f"barrier for {size}: {phase()}"),
+                   SimpleNamespace(), 3)
+    assert steps == ["in join_group: pending", "after admission: joining",
+                     "barrier for 3: syncing_new_world"]
+    machine = joiner_machine()
+    assert machine is not None and machine.phase is Phase.SERVING_EXPANDED
+    assert list(machine.ranks) == [2] and machine.new_size == 3
+
+
+def test_a_step_that_raises_fails_the_joiner_and_the_error_goes_on(
+        joiner_process: SimpleNamespace) -> None:
+    def join_group() -> None:
+        raise RuntimeError("group registration was rejected")
+
+    with pytest.raises(RuntimeError, match="registration was rejected"):
+        join_world(join_group)
+    machine = joiner_machine()
+    assert machine is not None and machine.phase is Phase.FAILED
+    assert machine.error == "RuntimeError: group registration was rejected"
+
+
+def test_a_failed_commit_barrier_fails_the_admitted_joiner(
+        joiner_process: SimpleNamespace) -> None:
+    join_world(lambda: None)
+
+    def barrier(runner: Any, size: int) -> None:
+        raise RuntimeError("barrier peer gone")
+
+    with pytest.raises(RuntimeError, match="barrier peer gone"):
+        commit_joining(barrier, SimpleNamespace(), 3)
+    machine = joiner_machine()
+    assert machine is not None and machine.phase is Phase.FAILED
+    assert Phase.JOINING in machine.seconds_in_phases()
+
+
+def test_a_process_that_is_not_a_scale_joiner_gets_no_machine(
+        joiner_process: SimpleNamespace) -> None:
+    joiner_process.is_ep_scale_joiner = False
+    assert join_world(lambda: "joined") == "joined"
+    assert joiner_machine() is None
+    # Without a machine the commit hook passes straight through.
+    assert commit_joining(lambda runner, size: size, SimpleNamespace(), 3) == 3
