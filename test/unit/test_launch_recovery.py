@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import launch_recovery
 
 
@@ -148,12 +149,22 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
     assert done == [] and never_scaled.has_scaled is False
 
 
-def test_a_replacement_counts_only_once_the_dead_process_was_seen_gone() -> None:
-    watch = launch_recovery.RejoinWatch()
+def test_the_survivor_machine_follows_the_failed_set_and_the_agreed_rejoin(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    state = SimpleNamespace()
+    peer: dict[int, bool] = {1: True}
+    monkeypatch.setattr(launch_recovery, "world_peer_state", lambda ranks: [peer[r] for r in ranks])
     # the pass right after the kill: Mooncake still reports the dead process
-    assert watch.registered((1,), [True]) is False
-    assert watch.registered((1,), [False]) is False  # gone
-    assert watch.registered((1,), [True]) is True  # its replacement registered
-    watch.rejoined([1])
-    assert watch.registered((1,), [True]) is False  # a later failure starts over
-    assert watch.registered((1, 2), [False, True]) is False
+    assert launch_recovery.replacements_registered(state, (1,)) is False
+    peer[1] = False
+    assert launch_recovery.replacements_registered(state, (1,)) is False
+    peer[1] = True  # its replacement registered
+    assert launch_recovery.replacements_registered(state, (1,)) is True
+    machine = launch_recovery.launch_recovery_machine(state, (1,))
+    assert machine.phase is Phase.SERVING_DEGRADED
+    # another launch-time rank fails before the rejoin: rank 1's replacement stays counted
+    peer[2] = False
+    assert launch_recovery.replacements_registered(state, (1, 2)) is False
+    peer[2] = True
+    assert launch_recovery.replacements_registered(state, (1, 2)) is True
+    assert launch_recovery.launch_recovery_machine(state, (1, 2)) is not machine

@@ -42,6 +42,7 @@ class Role(str, enum.Enum):
     SCALE_DOWN_STAYING = "scale_down_staying"
     SCALE_DOWN_LEAVING = "scale_down_leaving"
     RECOVERY_SURVIVOR = "recovery_survivor"  # of a failed tail of scale-joined ranks
+    LAUNCH_RECOVERY_SURVIVOR = "launch_recovery_survivor"  # of failed launch-time ranks
 
 
 P = Phase
@@ -53,6 +54,7 @@ INITIAL_PHASE: dict[Role, Phase] = {
     Role.SCALE_DOWN_STAYING: P.DRAINING,
     Role.SCALE_DOWN_LEAVING: P.DRAINING,
     Role.RECOVERY_SURVIVOR: P.SERVING_DEGRADED,
+    Role.LAUNCH_RECOVERY_SURVIVOR: P.SERVING_DEGRADED,
 }
 
 # The admission and the release each start on one agreed pass; only the wait before it can be
@@ -84,6 +86,11 @@ TRANSITIONS: dict[Role, dict[Phase, frozenset[Phase]]] = {
         P.SERVING_DEGRADED: frozenset({P.AWAITING_REPLACEMENT}),
         P.AWAITING_REPLACEMENT: frozenset({P.REJOINING, P.SERVING_CONTRACTED}),
         P.REJOINING: frozenset({P.SERVING_RECOVERED, P.AWAITING_REPLACEMENT}),
+    },
+    # A survivor of failed launch-time ranks after a scale (core/launch_recovery_machine.py).
+    Role.LAUNCH_RECOVERY_SURVIVOR: {
+        P.SERVING_DEGRADED: frozenset({P.REJOINING}),
+        P.REJOINING: frozenset({P.SERVING_RECOVERED, P.SERVING_DEGRADED}),
     },
 }
 

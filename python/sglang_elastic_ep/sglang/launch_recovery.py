@@ -11,19 +11,22 @@ on the size the survivors serve on while it rejoins (``take_on_serving_size``). 
 (launch-time and scale-joined alike) wait, serving, until every replacement is in Mooncake's
 WORLD, then run upstream's recovery steps together on one agreed pass
 (``StepKind.RECOVER`` in the gather): each survivor takes the replacement back into the groups
-it shares with it (WORLD only, for a scale-joined survivor). No slot leaves the layout
+it shares with it (WORLD only, for a scale-joined survivor). Each survivor's side runs as a
+core machine (``core.launch_recovery_machine``), driven from here. No slot leaves the layout
 meanwhile: the failed rank's experts are served from their replicas.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from sglang_elastic_ep.core.launch_recovery_machine import LaunchRecoveryMachine
 from sglang_elastic_ep.core.membership import failed_launch_ranks
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
     mark_ranks_activated,
@@ -53,51 +56,63 @@ def ranks_to_rejoin(state: Any) -> tuple[int, ...]:
 
 
 @dataclass
-class RejoinWatch:
-    """This survivor's view of the failed launch-time ranks' peer state (one per process, on
-    upstream's ``ElasticEPState``)."""
-
-    seen_gone: set[int] = field(default_factory=set)  # ranks whose peer state read False
-
-    def registered(self, ranks: tuple[int, ...], peer_state: list[bool]) -> bool:
-        """Every rank's replacement is in WORLD: its peer state reads True after it read False
-        since the failure. Right after a kill Mooncake can still report the dead process's
-        state for a moment (seen: True on the pass after the failure, False a moment later);
-        entering on that would send the survivors into a recovery some of them abandon."""
-        self.seen_gone.update(r for r, up in zip(ranks, peer_state, strict=True) if not up)
-        return all(up and r in self.seen_gone for r, up in zip(ranks, peer_state, strict=True))
-
-    def rejoined(self, ranks: list[int]) -> None:
-        self.seen_gone.difference_update(ranks)
+class LaunchRecoveryState:
+    machine: LaunchRecoveryMachine | None = None  # this survivor's side of the latest rejoin
 
 
-_WATCH_ATTR = "_elastic_ep_rejoin_watch"
+_STATE_ATTR = "_elastic_ep_launch_recovery"
+
+
+def launch_recovery_machine(state: Any, ranks: tuple[int, ...],
+                            now: float | None = None) -> LaunchRecoveryMachine:
+    """This survivor's machine for the failed launch-time ``ranks``: built on first sight, and
+    again when the failed set changes (what was seen of the ranks both share carries over)."""
+    now = time.monotonic() if now is None else now
+    holder = attached_state(state, _STATE_ATTR, LaunchRecoveryState)
+    machine = holder.machine
+    machine = (LaunchRecoveryMachine(ranks, now) if machine is None
+               else machine.following(ranks, now))
+    if machine is not holder.machine:
+        logger.info("[elastic-ep] rank failure: launch-time ranks %s failed after a scale; "
+                    "serving on without them until their replacements are in WORLD (phase %s)",
+                    list(ranks), machine.phase.value)
+        holder.machine = machine
+    return machine
 
 
 def replacements_registered(state: Any, ranks: tuple[int, ...]) -> bool:
     """Every replacement of ``ranks`` is in Mooncake's WORLD (the local check upstream makes
-    before ``recover_ranks``, read through :class:`RejoinWatch`)."""
+    before ``recover_ranks``, read through this survivor's machine)."""
+    return launch_recovery_machine(state, ranks).replacements_ready(world_peer_state(ranks))
+
+
+def world_peer_state(ranks: tuple[int, ...]) -> list[bool]:
+    """Mooncake's peer state of ``ranks`` in WORLD (True: a process is registered there)."""
     from mooncake.pg import get_peer_state
 
-    peer_state = [bool(up) for up in get_peer_state(dist.group.WORLD, list(ranks))]
-    return attached_state(state, _WATCH_ATTR, RejoinWatch).registered(ranks, peer_state)
+    return [bool(up) for up in get_peer_state(dist.group.WORLD, list(ranks))]
 
 
 def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
     """The agreed step, on every survivor in the same pass: upstream's recovery over WORLD and
     the launch-time groups each survivor shares with the replacements."""
-    logger.info("[elastic-ep] rank %d takes back launch-time ranks %s at %d ranks",
-                runner._elastic_global_rank(), list(ranks), state.effective_ep_size)
+    machine = launch_recovery_machine(state, ranks)
+    machine.entered(time.monotonic())
+    logger.info("[elastic-ep] rank %d takes back launch-time ranks %s at %d ranks (phase %s)",
+                runner._elastic_global_rank(), list(ranks), state.effective_ep_size,
+                machine.phase.value)
     if recover_ranks(list(ranks), mirror_of(state), eplb_manager=runner.eplb_manager,
                      model_config=runner.model_config,
                      moe_ep_rank=runner._elastic_global_rank()):
         runner.forward_pass_id = 0
-        attached_state(state, _WATCH_ATTR, RejoinWatch).rejoined(list(ranks))
-        logger.info("[elastic-ep] launch-time ranks %s rejoined: serving on %d ranks again",
-                    list(ranks), state.effective_ep_size)
+        machine.rejoined(time.monotonic())
+        logger.info("[elastic-ep] launch-time ranks %s rejoined: serving on %d ranks again "
+                    "(phase %s)", list(ranks), state.effective_ep_size, machine.phase.value)
     else:  # every survivor saw them registered on the agreed pass: Mooncake went back on it
+        machine.rejoin_failed(time.monotonic())
         logger.error("[elastic-ep] launch-time ranks %s left WORLD again before they were taken "
-                     "back: waiting for the next replacement", list(ranks))
+                     "back: waiting for the next replacement (phase %s)", list(ranks),
+                     machine.phase.value)
 
 
 # --------------------------------------------------------------------- the replacement's side
