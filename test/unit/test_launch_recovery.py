@@ -168,3 +168,42 @@ def test_the_survivor_machine_follows_the_failed_set_and_the_agreed_rejoin(
     peer[2] = True
     assert launch_recovery.replacements_registered(state, (1, 2)) is True
     assert launch_recovery.launch_recovery_machine(state, (1, 2)) is not machine
+
+
+def test_the_replacement_machine_follows_its_rejoin_and_the_reload(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    state = SimpleNamespace()
+    slots = iter([[[0, 1]], [[1, 0]]])  # at launch, then in the survivors' map
+    reloads: list[Any] = []
+    monkeypatch.setattr(launch_recovery, "elastic_state", lambda: state)
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {}))
+    monkeypatch.setattr(launch_recovery, "own_slots", lambda rank: next(slots))
+    monkeypatch.setattr(launch_recovery, "reload_moved_experts",
+                        lambda runner, loaded: reloads.append(
+                            (loaded, launch_recovery.replacement_machine(state).phase)))
+
+    def rejoin(runner: Any) -> str:
+        machine = launch_recovery.replacement_machine(state)
+        assert machine is not None and machine.phase is Phase.REJOINING
+        return "rejoined"
+
+    assert launch_recovery.rejoin_then_reload_moved_experts(rejoin, SimpleNamespace()) == "rejoined"
+    assert reloads == [([[0, 1]], Phase.RESTORING_EXPERTS)]
+    machine = launch_recovery.replacement_machine(state)
+    assert machine is not None and machine.rank == 1 and machine.phase is Phase.SERVING_RECOVERED
+
+
+def test_a_replacement_whose_rejoin_raises_ends_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = SimpleNamespace()
+    monkeypatch.setattr(launch_recovery, "elastic_state", lambda: state)
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {}))
+    monkeypatch.setattr(launch_recovery, "own_slots", lambda rank: None)
+
+    def rejoin(runner: Any) -> None:
+        raise RuntimeError("group registration was rejected")
+
+    with pytest.raises(RuntimeError, match="registration was rejected"):
+        launch_recovery.rejoin_then_reload_moved_experts(rejoin, SimpleNamespace())
+    machine = launch_recovery.replacement_machine(state)
+    assert machine is not None and machine.phase is Phase.FAILED
+    assert machine.error == "RuntimeError: group registration was rejected"

@@ -1,5 +1,7 @@
-"""One survivor's side of taking back failed launch-time ranks after a scale, in place.
+"""Taking back failed launch-time ranks after a scale, in place: a survivor's side and the
+replacement's.
 
+The survivor's side (:class:`LaunchRecoveryMachine`).
 Pure: the adapter (``sglang/launch_recovery.py``) builds one when the survivor first sees
 launch-time ranks failed (after a scale; before any, upstream's own recovery runs), shows it
 Mooncake's peer state of those ranks on each pass, and tells it when the agreed pass began the
@@ -12,8 +14,17 @@ rejoin and how it ended. Phases (``core.phases.TRANSITIONS``)::
 A replacement counts only once its rank's peer state read False (the dead process gone) and
 then True (its replacement registered): right after a kill Mooncake can still report the dead
 process for a moment (seen: True on the pass after the failure, False a moment later), and
-entering on that would send the survivors into a recovery some of them abandon. Nothing here
-waits.
+entering on that would send the survivors into a recovery some of them abandon.
+
+The replacement's side (:class:`ReplacementMachine`), a process started with
+``--ep-join-mode recover``. Its part runs in its start-up, whose steps block; the adapter tells
+the machine when each returned::
+
+    REJOINING --taken back, the expert map received--> RESTORING_EXPERTS
+       --its slots hold what the map says (reloaded if moved since launch)--> SERVING_RECOVERED
+    (either --a step raised--> FAILED)
+
+Nothing here waits.
 """
 
 from __future__ import annotations
@@ -21,7 +32,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sglang_elastic_ep.core.phases import Phase, PhaseMachine, PhaseTracker, Role
+from sglang_elastic_ep.core.phases import (
+    Phase,
+    PhaseMachine,
+    PhaseTracker,
+    Role,
+    StartUpMachine,
+)
 
 
 @dataclass
@@ -71,3 +88,26 @@ class LaunchRecoveryMachine(PhaseMachine):
         """The ranks left WORLD again before they were taken back (their peer state reads
         False): wait for their next replacements."""
         self._tracker.advance(Phase.SERVING_DEGRADED, now)
+
+
+@dataclass
+class ReplacementMachine(StartUpMachine):
+    """The replacement of launch-time EP rank ``rank``, from its rejoin (``started_at``) on."""
+
+    rank: int
+    started_at: float  # monotonic seconds
+    error: str | None = None
+    _tracker: PhaseTracker = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"a replacement needs an EP rank >= 0, got {self.rank}")
+        self._tracker = PhaseTracker(Role.LAUNCH_RECOVERY_REPLACEMENT, self.started_at)
+
+    def taken_back(self, now: float) -> None:
+        """The survivors took it back and it received their expert map."""
+        self._tracker.advance(Phase.RESTORING_EXPERTS, now)
+
+    def serving(self, now: float) -> None:
+        """Its slots hold the experts the map gives them."""
+        self._tracker.advance(Phase.SERVING_RECOVERED, now)

@@ -43,6 +43,7 @@ class Role(str, enum.Enum):
     SCALE_DOWN_LEAVING = "scale_down_leaving"
     RECOVERY_SURVIVOR = "recovery_survivor"  # of a failed tail of scale-joined ranks
     LAUNCH_RECOVERY_SURVIVOR = "launch_recovery_survivor"  # of failed launch-time ranks
+    LAUNCH_RECOVERY_REPLACEMENT = "launch_recovery_replacement"  # of a failed launch-time rank
 
 
 P = Phase
@@ -55,6 +56,7 @@ INITIAL_PHASE: dict[Role, Phase] = {
     Role.SCALE_DOWN_LEAVING: P.DRAINING,
     Role.RECOVERY_SURVIVOR: P.SERVING_DEGRADED,
     Role.LAUNCH_RECOVERY_SURVIVOR: P.SERVING_DEGRADED,
+    Role.LAUNCH_RECOVERY_REPLACEMENT: P.REJOINING,
 }
 
 # The admission and the release each start on one agreed pass; only the wait before it can be
@@ -91,6 +93,11 @@ TRANSITIONS: dict[Role, dict[Phase, frozenset[Phase]]] = {
     Role.LAUNCH_RECOVERY_SURVIVOR: {
         P.SERVING_DEGRADED: frozenset({P.REJOINING}),
         P.REJOINING: frozenset({P.SERVING_RECOVERED, P.SERVING_DEGRADED}),
+    },
+    # Its replacement, started with --ep-join-mode recover (core/launch_recovery_machine.py).
+    Role.LAUNCH_RECOVERY_REPLACEMENT: {
+        P.REJOINING: frozenset({P.RESTORING_EXPERTS, _F}),
+        P.RESTORING_EXPERTS: frozenset({P.SERVING_RECOVERED, _F}),
     },
 }
 
@@ -161,3 +168,22 @@ class PhaseMachine:
     def done(self) -> bool:
         """The machine reached a terminal phase."""
         return self._tracker.is_terminal
+
+
+class StartUpMachine(PhaseMachine):
+    """A machine for a process whose part runs in its start-up (a joiner, a replacement):
+    upstream's steps block, so the driver tells it when each returned, or what one raised."""
+
+    error: str | None
+
+    def fail(self, error: str, now: float) -> None:
+        """A step raised ``error``; a machine already done keeps its end."""
+        if self.done:
+            return
+        self.error = error
+        self._tracker.advance(Phase.FAILED, now)
+
+    def seconds_in_phases(self) -> dict[Phase, float]:
+        """How long it spent in each phase it has left (its start-up's breakdown)."""
+        stamps = self.phase_stamps
+        return {a.phase: b.at - a.at for a, b in zip(stamps, stamps[1:], strict=False)}

@@ -28,7 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sglang_elastic_ep.core.agreement import AbortReason
-from sglang_elastic_ep.core.phases import Phase, PhaseMachine, PhaseTracker, Role
+from sglang_elastic_ep.core.phases import (
+    Phase,
+    PhaseMachine,
+    PhaseTracker,
+    Role,
+    StartUpMachine,
+)
 
 
 @dataclass
@@ -111,7 +117,7 @@ class ScaleUpMachine(PhaseMachine):
 
 
 @dataclass
-class JoinerMachine(PhaseMachine):
+class JoinerMachine(StartUpMachine):
     """A scale joiner for EP ranks ``join_offset..new_size-1``, from the registration of its
     cohort (``started_at``) to serving at ``new_size``."""
 
@@ -143,14 +149,3 @@ class JoinerMachine(PhaseMachine):
     def serving(self, now: float) -> None:
         self._tracker.advance(Phase.SERVING_EXPANDED, now)
 
-    def fail(self, error: str, now: float) -> None:
-        """A step of its start-up raised ``error``; a machine already done keeps its end."""
-        if self.done:
-            return
-        self.error = error
-        self._tracker.advance(Phase.FAILED, now)
-
-    def seconds_in_phases(self) -> dict[Phase, float]:
-        """How long it spent in each phase it has left (its start-up's breakdown)."""
-        stamps = self.phase_stamps
-        return {a.phase: b.at - a.at for a, b in zip(stamps, stamps[1:], strict=False)}

@@ -26,7 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sglang_elastic_ep.core.launch_recovery_machine import LaunchRecoveryMachine
+from sglang_elastic_ep.core.launch_recovery_machine import (
+    LaunchRecoveryMachine,
+    ReplacementMachine,
+)
 from sglang_elastic_ep.core.membership import failed_launch_ranks
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
     mark_ranks_activated,
@@ -34,6 +37,7 @@ from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
     recover_ranks,
 )
 from sglang_elastic_ep.sglang.operation_log import get_logger
+from sglang_elastic_ep.sglang.start_up_steps import breakdown, run_step
 from sglang_elastic_ep.sglang.tail_recovery import live_mask
 from sglang_elastic_ep.sglang.upstream import (
     attached_state,
@@ -124,12 +128,34 @@ def rejoin_then_reload_moved_experts(original: Callable[[Any], Any], runner: Any
     """AROUND ``ModelRunner.post_capture_elastic_ep_recover`` (the replacement's rejoin at
     start-up, after its weights were loaded for the launch layout): upstream's rejoin, then a
     reload of its experts if the survivors' map puts other experts in its slots."""
-    if elastic_state() is None:
+    state = elastic_state()
+    if state is None:
         return original(runner)
-    loaded = own_slots(dist.get_rank())
-    result = original(runner)
-    reload_moved_experts(runner, loaded)
+    rank = dist.get_rank()
+    machine = ReplacementMachine(rank, time.monotonic())
+    attached_state(state, _REPLACEMENT_ATTR, ReplacementState).machine = machine
+    who = f"replacement of launch-time rank {rank}"
+    logger.info("[elastic-ep] %s: waits for the survivors to take it back (phase %s)", who,
+                machine.phase.value)
+    loaded = own_slots(rank)
+    result = run_step(machine, who, original, runner)
+    machine.taken_back(time.monotonic())
+    run_step(machine, who, reload_moved_experts, runner, loaded)
+    machine.serving(time.monotonic())
+    logger.info("[elastic-ep] %s serves again; its rejoin: %s", who, breakdown(machine))
     return result
+
+
+@dataclass
+class ReplacementState:
+    machine: ReplacementMachine | None = None  # this process's, when it is a replacement
+
+
+_REPLACEMENT_ATTR = "_elastic_ep_replacement"
+
+
+def replacement_machine(state: Any) -> ReplacementMachine | None:
+    return attached_state(state, _REPLACEMENT_ATTR, ReplacementState).machine
 
 
 def own_slots(rank: int) -> list[list[int]] | None:

@@ -18,6 +18,7 @@ from typing import Any
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_up_machine import JoinerMachine
 from sglang_elastic_ep.sglang.operation_log import get_logger
+from sglang_elastic_ep.sglang.start_up_steps import breakdown, run_step
 from sglang_elastic_ep.sglang.upstream import attached_state, elastic_state
 
 logger = get_logger(__name__)
@@ -60,7 +61,7 @@ def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     logger.info("[elastic-ep] scale joiner for EP ranks %s of %d registered its cohort: waits "
                 "for the serving ranks to admit it (phase %s)", list(machine.ranks),
                 machine.new_size, machine.phase.value)
-    result = _step(machine, original, *args, **kwargs)
+    result = run_step(machine, _who(machine), original, *args, **kwargs)
     machine.admitted(time.monotonic())
     logger.info("[elastic-ep] scale joiner admitted into WORLD after %.1f s: receives the expert "
                 "map and builds its graphs (phase %s)",
@@ -75,20 +76,12 @@ def commit_joining(original: Any, runner: Any, target_size: int) -> Any:
     if machine is None or machine.done:
         return original(runner, target_size)
     machine.syncing(time.monotonic())
-    result = _step(machine, original, runner, target_size)
+    result = run_step(machine, _who(machine), original, runner, target_size)
     machine.serving(time.monotonic())
     logger.info("[elastic-ep] scale joiner serves EP ranks %s at EP size %d; its start-up: %s",
-                list(machine.ranks), machine.new_size,
-                ", ".join(f"{phase.value} {seconds:.1f} s"
-                          for phase, seconds in machine.seconds_in_phases().items()))
+                list(machine.ranks), machine.new_size, breakdown(machine))
     return result
 
 
-def _step(machine: JoinerMachine, original: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return original(*args, **kwargs)
-    except BaseException as exc:
-        machine.fail(f"{type(exc).__name__}: {exc}", time.monotonic())
-        logger.error("[elastic-ep] scale joiner for EP ranks %s failed in its start-up: %s",
-                     list(machine.ranks), machine.error)
-        raise
+def _who(machine: JoinerMachine) -> str:
+    return f"scale joiner for EP ranks {list(machine.ranks)}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_elastic_ep.core.launch_recovery_machine import LaunchRecoveryMachine
+from sglang_elastic_ep.core.launch_recovery_machine import LaunchRecoveryMachine, ReplacementMachine
 from sglang_elastic_ep.core.phases import IllegalTransition, Phase
 
 
@@ -79,3 +79,32 @@ def test_bad_failed_sets_are_refused(ranks: tuple[int, ...]) -> None:
 def test_peer_state_of_another_length_is_refused() -> None:
     with pytest.raises(ValueError, match="peer state of 2 ranks"):
         LaunchRecoveryMachine((1,), started_at=0.0).replacements_ready([True, True])
+
+
+# ------------------------------------------------------------------- the replacement's side
+
+
+def test_a_replacement_rejoins_restores_its_experts_and_serves() -> None:
+    machine = ReplacementMachine(1, started_at=0.0)
+    assert machine.phase is Phase.REJOINING
+    machine.taken_back(4.0)
+    assert machine.phase is Phase.RESTORING_EXPERTS
+    machine.serving(4.5)
+    assert machine.phase is Phase.SERVING_RECOVERED and machine.done
+    assert machine.seconds_in_phases() == {Phase.REJOINING: 4.0, Phase.RESTORING_EXPERTS: 0.5}
+
+
+@pytest.mark.parametrize("steps", [0, 1])
+def test_a_replacement_step_that_raises_ends_it_failed(steps: int) -> None:
+    machine = ReplacementMachine(1, started_at=0.0)
+    if steps:
+        machine.taken_back(1.0)
+    machine.fail("RuntimeError: reload failed", 2.0)
+    assert machine.phase is Phase.FAILED and machine.error == "RuntimeError: reload failed"
+
+
+def test_a_replacement_cannot_serve_before_it_is_taken_back() -> None:
+    with pytest.raises(IllegalTransition):
+        ReplacementMachine(1, started_at=0.0).serving(1.0)
+    with pytest.raises(ValueError, match="EP rank >= 0"):
+        ReplacementMachine(-1, started_at=0.0)
