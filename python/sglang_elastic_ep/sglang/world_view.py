@@ -61,12 +61,16 @@ class BarrierStore(Protocol):
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
 
+    def check(self, keys: list[str]) -> bool: ...
+
 
 def store_barrier(store: BarrierStore, key: str, parties: int, timeout_s: float) -> bool:
     """Wait until ``parties`` callers reached ``key``: True when all did within ``timeout_s``.
 
-    The same key may be crossed again (a retried step in the same view): arrivals are counted,
-    and the n-th arrival belongs to crossing ``ceil(n / parties)``, which its last arrival ends."""
+    A key is crossed again by each later change of the same kind, members and ranks (a shrink
+    and regrow cycle repeats them): arrivals are counted, and the n-th arrival belongs to
+    crossing ``ceil(n / parties)``, which its last arrival ends. An arrival that times out takes
+    itself back, so a crossing a member never reached leaves the count where it started."""
     if parties < 1:
         raise ValueError(f"a barrier needs at least one party, got {parties}")
     arrived = store.add(key, 1)
@@ -78,19 +82,20 @@ def store_barrier(store: BarrierStore, key: str, parties: int, timeout_s: float)
     try:
         store.wait([done_key], timedelta(seconds=timeout_s))
     except Exception:  # TCPStore raises on timeout (DistStoreError, a RuntimeError subclass)
+        if store.check([done_key]):  # the last member came just as the wait ended
+            return True
+        store.add(key, -1)
         return False
     return True
 
 
-def quiesce_key(change: str, participants: Sequence[int], ranks: Sequence[int],
-                epoch: int) -> str:
-    """One key per view change: its kind, who meets, which ranks change, and the Mooncake
-    view epoch it starts from (a later change of the same ranks starts from a later epoch)."""
+def quiesce_key(change: str, participants: Sequence[int], ranks: Sequence[int]) -> str:
+    """The barrier key of a view change: its kind, who meets, which ranks change."""
     def joined(values: Sequence[int]) -> str:
         return ",".join(str(v) for v in sorted(values))
 
     return (f"{QUIESCE_KEY_PREFIX}/{change}/members-{joined(participants)}"
-            f"/ranks-{joined(ranks)}/epoch-{epoch}")
+            f"/ranks-{joined(ranks)}")
 
 
 @dataclass
@@ -114,7 +119,6 @@ class WorldQuiesce:
         participants = self.take()
         if len(participants) < 2:
             return
-        from mooncake.pg import get_current_epoch
         from sglang.srt.distributed.utils import get_global_tcp_store
 
         store = get_global_tcp_store()
@@ -122,7 +126,7 @@ class WorldQuiesce:
             logger.warning("[elastic-ep] no rendezvous store: %s of %s without the quiesce "
                            "barrier", change, list(ranks))
             return
-        key = quiesce_key(change, participants, ranks, get_current_epoch(dist.group.WORLD))
+        key = quiesce_key(change, participants, ranks)
         start = time.monotonic()
         met = store_barrier(store, key, len(participants), QUIESCE_TIMEOUT_S)
         waited = time.monotonic() - start
