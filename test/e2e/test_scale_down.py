@@ -196,6 +196,17 @@ def grow_with_the_cli(cluster: LocalCluster, size: int, operation_id: str,
     return joiner, followed
 
 
+def assert_quiet_before(server: ServerProcess, ranks: list[int], change: str,
+                        members: list[int] | None = None) -> None:
+    """Each of ``ranks`` (run by ``server``) logged that the members met in the rendezvous
+    store before ``change`` (the barrier before a Mooncake view change, sglang/world_view.py)."""
+    text = server.log_path.read_text(errors="replace")
+    met = members if members is not None else ranks
+    for rank in ranks:
+        line = f"rank {rank}: members {met} quiet before {change}"
+        assert line in text, f"{server.log_path} lacks {line!r}:\n{server.log_tail()}"
+
+
 def cancel_a_scale_up_whose_joiner_never_starts(url: str, size: int, operation_id: str) -> None:
     before = read_status(url)["effective_ep_size"]
     assert scale(url, size, operation_id).status_code == 200
@@ -269,6 +280,11 @@ def test_shrink_and_regrow_between_2_and_3_under_load(tiny_model: Path) -> None:
             placed = wait_experts_reported(url, ranks=3)
             assert placed[2] and set().union(*placed) == set(range(16)), placed
             wait_each_shard_serves(load, [0, 1, 2], SERVES_S, logs={2: rank2.log_path})
+            # The members met in the store before the admission, and the joiner's machine
+            # went through its phases to serving.
+            assert_quiet_before(cluster.primary, [0, 1], "admit of [2]")
+            assert ("scale joiner serves EP ranks [2] at EP size 3; its start-up: pending"
+                    in rank2.log_path.read_text(errors="replace")), rank2.log_tail()
 
             # 2. 3 -> 2 with a long request on the leaving shard.
             shrink_with_a_long_request_on(url, 2, 2, "shrink-to-2")
@@ -277,6 +293,8 @@ def test_shrink_and_regrow_between_2_and_3_under_load(tiny_model: Path) -> None:
             assert states(url)[:3] == ["active", "active", "safe_to_terminate"]
             assert status["safe_to_terminate_ranks"] == [2], status
             left_and_exited(rank2)
+            assert_quiet_before(cluster.primary, [0, 1], "release of [2]", members=[0, 1, 2])
+            assert_quiet_before(rank2, [2], "release of [2]", members=[0, 1, 2])
             assert wait_experts_reported(url, ranks=2) == launch_placement
 
             # 3. 2 -> 3 into the freed slot: the CLI's POST first, then the joiner.
