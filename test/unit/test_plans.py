@@ -55,8 +55,10 @@ def test_a_plan_killing_a_launch_rank_gets_one_node_per_rank(tmp_path: Path) -> 
     ([[0, 1], [0, -2]], "only active ranks can be killed"),
     ([[0, 1, 2], [0, -1]], "a kill step only kills"),
     ([[0, 1], [0, 1, 2], [0, -1, 2]], None),  # rejoins in place
-    ([[0, 1], [0, 1, 2], [0, -1, -2]], "both kinds back is not built"),
-    ([[0, 1], [0, 1, 2], [0, -1, 2], [0, -2]], "both kinds back is not built"),
+    ([[0, 1], [0, 1, 2], [0, -1, -2]], None),  # the joiner is let go, rank 1 rejoins
+    ([[0, 1], [0, 1, 2], [0, -1, 2], [0, -2]], None),
+    ([[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]], None),  # rank 1 first, then rank 2
+    ([[0, 1], [0, 1, 2], [0, -1, -2], [0, 2]], "recover launch-time ranks [1] first"),
     ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3]], "tail"),
     ([[0, 1], [0, 1, 2], [0, 1]], None),
     ([[0, 1], [0, 2]], "one change per step"),
@@ -82,9 +84,9 @@ def test_the_cli_refuses_a_plan_before_starting_anything(tmp_path: Path,
     from sglang_elastic_ep_testbed.cluster import plans
 
     bad = tmp_path / "bad.json"
-    bad.write_text("[[0, 1], [0, 1, 2], [0, -1, -2]]")
+    bad.write_text("[[0, 1], [0, 1, 2], [0, -1, -2], [0, 2]]")
     assert plans.main([str(bad)]) == 2
-    assert "both kinds back is not built" in capsys.readouterr().err
+    assert "recover launch-time ranks [1] first" in capsys.readouterr().err
     (tmp_path / "broken.json").write_text("[[0, 1],")
     assert plans.main([str(tmp_path / "broken.json")]) == 2
     assert "not a readable JSON plan" in capsys.readouterr().err

@@ -89,10 +89,40 @@ def test_a_failed_launch_rank_after_a_scale_is_not_let_go_nor_failed(wired) -> N
     assert manager.failed == []
 
 
-def test_a_launch_rank_and_a_joiner_down_together_are_refused_with_the_reason(wired) -> None:
-    manager, _ = wired(state([1, 0, 0, 0], effective=3), [0, 1, 0, 1, 0, 1])
+def test_a_launch_rank_and_a_joiner_down_together_let_the_joiner_go_first(wired) -> None:
+    # rank 0 alone holds every expert: the joined tail is let go (rank 1 rejoins in place after)
+    manager, reports = wired(state([1, 0, 0, 0], effective=3), [0, 1, 0, 1, 0, 1])
+    assert tail_recovery.contraction_target(manager.state, wired.runner) == 2
+    assert manager.failed == [] and reports == []
+
+
+def test_experts_only_a_dead_launch_rank_held_fail_the_let_go_with_the_reason(wired) -> None:
+    # rank 1 held experts 2 and 3 and rank 2 their only other replica: rank 0 cannot serve alone
+    manager, _ = wired(state([1, 0, 0, 0], effective=3), [0, 1, 2, 3, 2, 3])
     assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
-    assert "restart the deployment" in manager.failed[0]
+    (reason,) = manager.failed
+    assert "ranks [1, 2] failed and logical experts [2, 3]" in reason, reason
+    assert "no replica on the live ranks [0]" in reason, reason
+
+
+def test_the_replacement_of_a_let_go_tail_waits_while_a_launch_rank_is_failed(
+        wired, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.elastic_ep import elastic_ep
+
+    st = state([1, 0, 0, 0], effective=2)  # after the let-go of rank 2; rank 1 still down
+    wired(st, [0, 1, 0, 1])
+    machine = TailRecoveryMachine(first_failed=2, return_to=3, started_at=0.0)
+    machine.let_go(0.0)
+    tail_recovery.tail_recovery_state(st).machine = machine
+    looked: list[int] = []
+    monkeypatch.setattr(elastic_ep, "get_scale_cohort", lambda offset: looked.append(offset))
+    tail_recovery.request_return_when_replacement_registered(st)
+    assert looked == []  # no look for the replacement: rank 1 rejoins first
+    st.active_ranks_cpu[1] = 1  # rank 1 is back
+    st.active_ranks[1] = 1
+    machine.next_check_at = 0.0
+    tail_recovery.request_return_when_replacement_registered(st)
+    assert looked == [2]  # now the replacement of slot 2 is looked for
 
 
 def test_the_gather_keeps_its_width_only_when_world_lost_a_member(

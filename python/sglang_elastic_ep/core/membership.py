@@ -119,8 +119,10 @@ class FailedTail:
     Ranks that joined by scale-up live only in the expandable WORLD group (upstream's launch-time
     TP/EP groups never contained them), so a replacement for one can join exactly the way the
     original did: the survivors first let the failed tail go (a contraction, as in a scale-down),
-    then admit the replacement into the same slots. That works when the failed ranks are the
-    tail ``[first, effective_size)`` and all of them joined after launch."""
+    then admit the replacement into the same slots. That works when the failed scale-joined
+    ranks are the tail ``[first, effective_size)``. Launch-time ranks that failed with them
+    stay failed below the tail and rejoin in place once it is let go (``failed_launch_ranks``
+    then finds them)."""
 
     first: int
     effective_size: int
@@ -145,26 +147,20 @@ def failed_tail(active: Sequence[int], effective_size: int, launch_size: int) ->
     failed = [r for r in range(effective_size) if not active[r]]
     if not failed:
         return None
-    first = failed[0]
-    problem = None
-    if all(r < launch_size for r in failed):
-        problem = (
+    joined = [r for r in failed if r >= launch_size]
+    if not joined:
+        return FailedTail(first=failed[0], effective_size=effective_size, problem=(
             f"ranks {failed} were launched with the server: they rejoin in place "
-            "(relaunch their node with --ep-join-mode recover), no slot is let go"
-        )
-    elif failed != list(range(first, effective_size)):
+            "(relaunch their node with --ep-join-mode recover), no slot is let go"))
+    # Failed launch-time ranks below the tail rejoin in place once the tail is let go.
+    first = joined[0]
+    problem = None
+    if joined != list(range(first, effective_size)):
         alive = [r for r in range(first, effective_size) if active[r]]
         problem = (
-            f"failed ranks {failed} are not the tail of the {effective_size} ranks (ranks "
+            f"failed ranks {joined} are not the tail of the {effective_size} ranks (ranks "
             f"{alive} still serve): only a failed tail of ranks that joined by scale-up can be "
             "re-admitted"
-        )
-    elif first < launch_size:
-        launched = [r for r in failed if r < launch_size]
-        problem = (
-            f"launch-time ranks {launched} and ranks {[r for r in failed if r >= launch_size]} "
-            "that joined by scale-up failed together: the survivors serve on, but bringing "
-            "both kinds back at once is not built; restart the deployment for full size"
         )
     return FailedTail(first=first, effective_size=effective_size, problem=problem)
 

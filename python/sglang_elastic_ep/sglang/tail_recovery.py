@@ -102,7 +102,7 @@ def contraction_target(state: Any, runner: Any) -> int:
     if tail is None or failed_launch_ranks(mask, state.effective_ep_size,
                                            state.original_ep_size):
         return 0  # none failed, or launch-time ranks that rejoin in place (launch_recovery)
-    problem = tail.problem or _uncovered_without(tail.first, state.effective_ep_size)
+    problem = tail.problem or _uncovered_without(tail.first, state.effective_ep_size, mask)
     if problem is not None:
         _fail_recovery(runner, state, problem)
         return 0
@@ -118,18 +118,26 @@ def failed_tail_to_let_go(state: Any) -> bool:
     return tail is not None and tail.problem is None
 
 
-def _uncovered_without(first: int, effective: int) -> str | None:
+def _uncovered_without(first: int, effective: int, mask: list[int]) -> str | None:
+    """Why the live ranks below ``first`` cannot serve every expert once the tail is let go
+    (None: they can). A launch-time rank that failed with the tail does not count."""
     metadata = expert_location_metadata()
     if metadata is None:
         return None
-    p2l = metadata.physical_to_logical_map
-    missing = uncovered_experts(p2l.tolist(), slots=(p2l.shape[1] // effective) * first)
+    p2l = metadata.physical_to_logical_map.tolist()
+    per_rank = len(p2l[0]) // effective
+    kept = [p for r in range(first) if mask[r] for p in range(r * per_rank, (r + 1) * per_rank)]
+    others = sorted(set(range(len(p2l[0]))) - set(kept))
+    # uncovered_experts reads the first slots of each row as the ones that stay
+    missing = uncovered_experts([[row[p] for p in kept + others] for row in p2l], slots=len(kept))
     if not missing:
         return None
     layer, experts = next(iter(missing.items()))
-    return (f"ranks {first}..{effective - 1} failed and logical experts {experts} (layer {layer}) "
-            f"have no replica on ranks 0..{first - 1}: the survivors cannot serve without them. "
-            "Relaunching with --ep-num-redundant-experts avoids this; restart the deployment")
+    failed = [r for r in range(effective) if not mask[r]]
+    return (f"ranks {failed} failed and logical experts {experts} (layer {layer}) "
+            f"have no replica on the live ranks {[r for r in range(first) if mask[r]]}: the "
+            "survivors cannot serve without them. Relaunching with --ep-num-redundant-experts "
+            "avoids this; restart the deployment")
 
 
 def _fail_recovery(runner: Any, state: Any, problem: str) -> None:
@@ -166,6 +174,9 @@ def request_return_when_replacement_registered(state: Any) -> None:
     if machine is None or state.pending_ep_size is not None \
             or not machine.check_due(time.monotonic()):
         return
+    if failed_launch_ranks(live_mask(state), int(state.effective_ep_size),
+                           int(state.original_ep_size)):
+        return  # launch-time ranks that failed with the tail rejoin first (launch_recovery)
     from sglang.srt.elastic_ep.elastic_ep import get_scale_cohort
 
     cohort = get_scale_cohort(state.effective_ep_size)

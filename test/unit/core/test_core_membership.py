@@ -87,10 +87,17 @@ def test_no_rank_rejoins_in_place_when_none_failed_or_a_joiner_failed_too() -> N
     assert failed_launch_ranks([1, 0, 0, 0], effective_size=3, launch_size=2) == ()
 
 
-def test_a_launch_rank_and_a_joiner_failing_together_name_the_way_that_works() -> None:
-    tail = failed_tail([1, 0, 0, 0], effective_size=3, launch_size=2)
-    assert tail is not None and tail.first == 1
-    assert tail.problem is not None and "restart the deployment" in tail.problem
+def test_a_launch_rank_and_a_joiner_failing_together_let_the_joiner_go_first() -> None:
+    # rank 1 (launched) and rank 2 (joined) failed: the joined tail is let go, then rank 1
+    # rejoins in place at the smaller size
+    mask = [1, 0, 0, 0]
+    tail = failed_tail(mask, effective_size=3, launch_size=2)
+    assert tail is not None and tail.problem is None and list(tail.ranks) == [2]
+    assert failed_launch_ranks(mask, effective_size=3, launch_size=2) == ()
+    assert failed_launch_ranks(mask, effective_size=2, launch_size=2) == (1,)
+    # a live joiner after the failed one: the failed joiner is not the tail
+    tail = failed_tail([1, 0, 0, 1], effective_size=4, launch_size=2)
+    assert tail is not None and tail.problem is not None and "ranks [3] still serve" in tail.problem
 
 
 @pytest.mark.parametrize("effective, launch", [(5, 2), (0, 2), (2, 0)])

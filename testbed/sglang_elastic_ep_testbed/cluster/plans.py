@@ -9,9 +9,9 @@ Each step is one change, derived from the sets (:func:`steps_of`): ``kill`` (the
 ranks), ``recover`` (failed ranks come back: relaunched with ``--ep-join-mode recover``),
 ``grow`` (the next free slots: one joiner each, then ``POST /scale_elastic_ep``), ``shrink``
 (the tail: ``POST /scale_elastic_ep``; the released servers exit 0). What the plugin does not
-do yet is refused before the cluster starts, with the reason: launch-time and scale-joined ranks
-down at the same time after a scale, a removal other than the tail, a killed rank 0 (it hosts
-the HTTP server), growing while ranks are failed.
+do yet is refused before the cluster starts, with the reason: a removal other than the tail, a
+killed rank 0 (it hosts the HTTP server), growing while ranks are failed, a failed scale-joined
+tail brought back before the launch-time ranks that failed with it.
 
 After every step the runner checks what an orchestrator would: the status shows exactly the
 step's set active (killed ranks ``failed``, everything else inactive) and every active shard
@@ -107,10 +107,6 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
             raise PlanError(f"step {i}: a kill step only kills: expected the others "
                             f"{sorted(before - set(killed))} active, got {active}")
         joiners = [r for r in killed if r >= launch_size]
-        down = failed | set(killed)
-        if scaled and any(r < launch_size for r in down) and any(r >= launch_size for r in down):
-            raise PlanError(f"step {i}: launch-time and scale-joined ranks down together "
-                            f"({sorted(down)}): bringing both kinds back is not built")
         if joiners and joiners != list(range(max(before) + 1 - len(joiners), max(before) + 1)):
             raise PlanError(f"step {i}: killed joiners {joiners} must be the active set's tail")
         return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))))
@@ -123,6 +119,10 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
             if back != added:
                 raise PlanError(f"step {i}: recover {back} first, then grow by "
                                 f"{sorted(set(added) - failed)}")
+            still_down = sorted(r for r in failed - set(back) if r < launch_size)
+            if still_down and any(r >= launch_size for r in back):
+                raise PlanError(f"step {i}: recover launch-time ranks {still_down} first: the "
+                                f"replacement of a let-go tail {back} waits for them")
             return Step(i, "recover", tuple(back), tuple(active), tuple(sorted(failed - set(back))))
         if failed:
             raise PlanError(f"step {i}: ranks {sorted(failed)} are failed: recover them first")
