@@ -35,7 +35,7 @@ def test_survivors_wait_for_failed_launch_ranks_only_after_a_scale() -> None:
 class WorldOfRanks:
     """``dist`` for one all-reduce of the rows every member writes (SUM over the members)."""
 
-    def __init__(self, rank: int, others: dict[int, tuple[int, int]]) -> None:
+    def __init__(self, rank: int, others: dict[int, tuple[int, int, int]]) -> None:
         self.rank, self.others = rank, others
         self.group = SimpleNamespace(WORLD="world")
 
@@ -57,19 +57,47 @@ def test_the_first_healthy_rank_sends_the_map_and_a_replacement_learns_the_size(
     # rank 1 rejoins; ranks 0 and 2 serve on 3
     replacement = survivor([0, 1, 0, 0], effective=4, launch=4)
     monkeypatch.setattr(launch_recovery, "elastic_state", lambda: replacement)
-    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {0: (healthy, 3),
-                                                                   2: (healthy, 3)}))
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {0: (healthy, 3, 0),
+                                                                   2: (healthy, 3, 0)}))
     upstream = pytest.fail  # never asked while elastic EP is set up
     assert launch_recovery.healthy_source_rank(
         upstream, invoked_in_elastic_ep_rejoin_path=True) == 0
     assert taken == [3]
     # a survivor: the same source, and nothing taken on
     monkeypatch.setattr(launch_recovery, "elastic_state", lambda: survivor([1, 0, 1, 0]))
-    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(2, {0: (healthy, 3),
-                                                                   1: (rejoining, 0)}))
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(2, {0: (healthy, 3, 0),
+                                                                   1: (rejoining, 0, 0)}))
     assert launch_recovery.healthy_source_rank(
         upstream, invoked_in_elastic_ep_rejoin_path=False) == 0
     assert taken == [3]
+
+
+def test_a_replacement_waits_with_the_survivors_for_a_let_go_tail(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep.sglang import tail_recovery
+
+    monkeypatch.setattr(launch_recovery, "take_on_serving_size",
+                        lambda state, size: setattr(state, "effective_ep_size", size))
+    # rank 1 and the scale joiner at rank 2 failed together; rank 0 let go of slot 2 and
+    # serves on 2, waiting for slot 2's replacement to return to 3
+    survivor_state = survivor([1, 0, 0, 0], effective=2)
+    tail_recovery.await_the_tail_with_the_survivors(survivor_state, 3)
+    assert tail_recovery.awaited_return(survivor_state) == 3
+    monkeypatch.setattr(launch_recovery, "elastic_state", lambda: survivor_state)
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(0, {1: (launch_recovery.REJOINING,
+                                                                      0, 0)}))
+    assert launch_recovery.healthy_source_rank(
+        pytest.fail, invoked_in_elastic_ep_rejoin_path=False) == 0
+    # rank 1's replacement learns both: the size, and the tail the survivors wait for
+    replacement = survivor([0, 1, 0, 0], effective=2, launch=2)
+    monkeypatch.setattr(launch_recovery, "elastic_state", lambda: replacement)
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {0: (launch_recovery.HEALTHY,
+                                                                      2, 3)}))
+    assert launch_recovery.healthy_source_rank(
+        pytest.fail, invoked_in_elastic_ep_rejoin_path=True) == 0
+    machine = tail_recovery.tail_recovery_state(replacement).machine
+    assert machine is not None and machine.awaiting_replacement
+    assert (machine.first_failed, machine.return_to) == (2, 3)
 
 
 def test_no_healthy_member_is_an_error_naming_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:

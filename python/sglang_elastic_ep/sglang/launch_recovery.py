@@ -38,7 +38,11 @@ from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
 )
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.start_up_steps import breakdown, run_step
-from sglang_elastic_ep.sglang.tail_recovery import live_mask
+from sglang_elastic_ep.sglang.tail_recovery import (
+    await_the_tail_with_the_survivors,
+    awaited_return,
+    live_mask,
+)
 from sglang_elastic_ep.sglang.upstream import (
     attached_state,
     elastic_state,
@@ -197,23 +201,26 @@ def healthy_source_rank(original: Callable[..., int], *,
     Upstream gathers the flags over its launch-time ``world`` group; after a scale that group
     differs between ranks (a scale-joined rank built its own), so the exchange is one
     all-reduce over WORLD instead, where every member has one row. A replacement learns the
-    size the survivors serve on here and takes it on before the broadcast that follows."""
+    size the survivors serve on here and takes it on before the broadcast that follows, and
+    whether they wait for the replacement of a let-go tail (then it waits with them)."""
     state = elastic_state()
     if state is None or state.active_ranks is None:
         return original(invoked_in_elastic_ep_rejoin_path=invoked_in_elastic_ep_rejoin_path)
     rejoining = bool(invoked_in_elastic_ep_rejoin_path)
-    rows = torch.zeros((int(state.active_ranks.numel()), 2), dtype=torch.int64,
+    rows = torch.zeros((int(state.active_ranks.numel()), 3), dtype=torch.int64,
                        device=state.active_ranks.device)
-    own = (REJOINING, 0) if rejoining else (HEALTHY, int(state.effective_ep_size))
+    own = (REJOINING, 0, 0) if rejoining else (HEALTHY, int(state.effective_ep_size),
+                                                awaited_return(state))
     rows[dist.get_rank()] = torch.tensor(own, dtype=torch.int64)
     dist.all_reduce(rows, group=dist.group.WORLD)
     table = rows.cpu().tolist()  # a recovery step, not the per-pass path
-    source = next((r for r, (code, _size) in enumerate(table) if code == HEALTHY), None)
+    source = next((r for r, (code, _size, _back) in enumerate(table) if code == HEALTHY), None)
     if source is None:
         raise RuntimeError("No healthy rank found for broadcasting expert location metadata: "
                            f"every member of WORLD is rejoining ({table})")
     if rejoining:
         take_on_serving_size(state, int(table[source][1]))
+        await_the_tail_with_the_survivors(state, int(table[source][2]))
     return source
 
 

@@ -165,6 +165,28 @@ def let_go_of_failed_tail(runner: Any, target: int) -> None:
     )
 
 
+def awaited_return(state: Any) -> int:
+    """The size this survivor returns to once a let-go tail's replacement joins (0: none
+    awaited)."""
+    machine = tail_recovery_state(state).machine
+    return machine.return_to if machine is not None and machine.awaiting_replacement else 0
+
+
+def await_the_tail_with_the_survivors(state: Any, return_to: int) -> None:
+    """On a launch-time rank's replacement that rejoins while the survivors wait for a let-go
+    tail's replacement (to ``return_to``; 0: none): it waits with them, so that every rank asks
+    for the old size when that replacement registers and the agreement can admit it."""
+    if return_to <= int(state.effective_ep_size):
+        return
+    now = time.monotonic()
+    machine = TailRecoveryMachine(first_failed=int(state.effective_ep_size),
+                                  return_to=return_to, started_at=now)
+    machine.let_go(now)
+    tail_recovery_state(state).machine = machine
+    logger.info("[elastic-ep] the survivors wait for the replacement of ranks %d..%d: this rank "
+                "waits with them", machine.first_failed, return_to - 1)
+
+
 def request_return_when_replacement_registered(state: Any) -> None:
     """Step 2: once the replacement's cohort is in the store and its process in Mooncake's
     WORLD, ask for the old size again (this rank only; the per-pass agreement then waits for
