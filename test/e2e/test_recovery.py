@@ -10,6 +10,9 @@ Then the same on the same cluster after a scale-up to 3 (upstream answers
 ``recovery_unsupported`` there): node 1 is killed again and its relaunch, with the same
 arguments, rejoins in place at 3 ranks while the scale-joined rank 2 serves on. The steps are
 the phase plan ``test/plans/kill_a_node_and_recover_it.json``.
+
+A second test kills node 1 and the scale joiner together (``kill_a_node_and_its_joiner_together``)
+and brings both back.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 from sglang_elastic_ep_testbed.cluster import LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
 from sglang_elastic_ep_testbed.cluster.observe import WebhookReceiver, metric, sse_events
+from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.plans import Step, load_plan, plan_spec, run_plan
 
 
@@ -96,3 +100,33 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             assert event_types(delivered, [1]) == expected, delivered
     finally:
         hook.close()
+
+
+TOGETHER = Path(__file__).parents[1] / "plans" / "kill_a_node_and_its_joiner_together.json"
+
+
+@pytest.mark.timeout(1200)
+def test_a_node_and_the_joiner_killed_together_both_come_back(tiny_model: Path) -> None:
+    """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]]: after a scale-up to 3, node 1
+    (launch-time rank 1) and the scale joiner (rank 2) are killed together. Rank 0 lets slot 2
+    go and serves alone; node 1's relaunch rejoins at 2 ranks and waits with rank 0 for slot 2's
+    replacement, which both then admit back to 3. Four clients: a death is noticed by a forward
+    pass that needs the dead rank, so rank 0 must hold a request when the two die
+    (docs/cpu-testbed.md, "A known gap")."""
+    steps = load_plan(TOGETHER)
+    with LocalCluster(plan_spec(tiny_model, steps)) as cluster:
+        runner = run_plan(cluster, steps, concurrency=4)
+        survivor_log = cluster.primary.log_path.read_text(errors="replace")
+        assert "ranks 2..2 failed; the survivors let go of their slots and serve on 2" \
+            in survivor_log
+        assert "launch-time ranks [1] rejoined: serving on 2 ranks again" in survivor_log
+        node1_log = cluster.followers[1].log_path.read_text(errors="replace")
+        for line in ("rank 1 rejoins at the size the survivors serve on: 2 ranks",
+                     "the survivors wait for the replacement of ranks 2..2: this rank waits "
+                     "with them",
+                     "replacement of launch-time rank 1 serves again; its rejoin: rejoining",
+                     "replacement for ranks 2..2 registered: re-admitting it"):
+            assert line in node1_log, line
+        joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
+        assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
+        assert read_status(cluster.url)["effective_ep_size"] == 3
