@@ -18,6 +18,10 @@ A failed tail of scale-joined ranks comes back the way it first came in, in two 
    back to the old size; upstream's scale-up
    then admits it on a pass every rank agreed on, and the HTTP process sees the shard alive
    again (``rank_recovered``).
+
+Launch-time ranks that failed with the tail stay failed below it once it is let go and rejoin
+in place first (``launch_recovery``); the re-admission waits for them, and their replacements
+wait for the tail with the survivors (``await_the_tail_with_the_survivors``).
 """
 
 from __future__ import annotations
