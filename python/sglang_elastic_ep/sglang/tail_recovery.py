@@ -131,9 +131,9 @@ def _uncovered_without(first: int, effective: int, mask: list[int]) -> str | Non
     p2l = metadata.physical_to_logical_map.tolist()
     per_rank = len(p2l[0]) // effective
     kept = [p for r in range(first) if mask[r] for p in range(r * per_rank, (r + 1) * per_rank)]
-    others = sorted(set(range(len(p2l[0]))) - set(kept))
-    # uncovered_experts reads the first slots of each row as the ones that stay
-    missing = uncovered_experts([[row[p] for p in kept + others] for row in p2l], slots=len(kept))
+    # uncovered_experts reads a row's first slots as the staying ones, the whole row as the
+    # layer's experts: the live slots, then the row
+    missing = uncovered_experts([[row[p] for p in kept] + row for row in p2l], slots=len(kept))
     if not missing:
         return None
     layer, experts = next(iter(missing.items()))

@@ -1,4 +1,5 @@
-"""Enter the first collective after an admission only once this rank's Mooncake view has it.
+"""Around a Mooncake WORLD view change: the members meet before it, and each rank enters the
+first collective after an admission only once its own view has it.
 
 Mooncake PG (control-plane design) admits ranks through a view update that its coordinator
 commits and each process's agent applies in the background. Applying a view resets the group's
@@ -7,8 +8,7 @@ and sets the active set whose sync flags a collective waits for (``mooncake_work
 ``recover_ranks`` can return on a rank before that rank's agent applied the view. Upstream then
 broadcasts the expert map at once (``_finalize_scale_up``): a rank still on the old view waits
 in the old slot for the old members while the others, on the new view, complete the broadcast
-without it and wait in the next barrier. That is the 3 -> 4 hang with a scale-joined rank 2 as
-a member (docs/design.md).
+without it and wait in the next barrier.
 
 So after WORLD admits ranks, each rank waits (locally, no collective) until its own view shows
 them active. On the usual path the view is already applied and the wait costs one call.
