@@ -12,12 +12,26 @@ that is not one, or a flag other than 0/1 becomes the idle fallback row for this
 rank that died sends nothing anyway), and the fields upstream derives from the rows are
 derived again. A row is judged on its own values only: a live rank's row never changes here.
 On every other pass the check reads one small host tensor.
+
+The gather over the expanded WORLD is an all-reduce: each rank writes its row into a zeroed
+tensor of every row and the ranks sum them. A peer that dies during it leaves, in each
+survivor that did not receive its whole tensor, whatever an earlier collective left in that
+peer's part of the receive buffer, and the sum adds it to every row, the survivor's own
+included (a scheduler then died padding its batch to its own count minus one). A survivor that
+missed a peer's tensor also missed its completion flag, so Mooncake reports the all-reduce as
+not locally successful and names the failed peers (``get_local_success``,
+``get_failed_ranks_hint``). On such a pass the survivor takes its own row back from what it
+sent and the failed peers' rows as idle (``repair_after_failed_gather``). A survivor that did
+receive the peer's tensor has correct rows and reports success.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_elastic_ep.sglang.operation_log import get_logger
@@ -80,3 +94,86 @@ def _derive_again(info: Any, view: Any) -> None:
     info.can_run_draft_cuda_graph = bool(view[:, 8].min())
     info.any_health_check = bool(view[:, 9].max())
     info.global_attention_pairs = view[:, 10].tolist()
+
+
+@dataclass
+class AllReduceSeen:
+    """This rank's all-reduce of the pass's rows: its work handle and a device copy of the row
+    it sent (taken before the collective, so no host access on a healthy pass)."""
+
+    work: Any = None
+    own_index: int = -1
+    own_row: Any = None
+
+
+@contextlib.contextmanager
+def seeing_the_all_reduce(group: Any) -> Iterator[AllReduceSeen]:
+    """Within upstream's gather, run its one all-reduce over ``group`` through a handle this
+    rank can ask afterwards whether it completed with every peer. Upstream calls
+    ``torch.distributed.all_reduce`` synchronously and drops the handle; only the call made on
+    this thread over ``group`` is taken, and the function is restored on leaving."""
+    import torch.distributed as dist
+
+    seen = AllReduceSeen()
+    original = dist.all_reduce
+    thread = threading.get_ident()
+
+    def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                   async_op: bool = False) -> Any:
+        if (group is not outer_group or async_op or seen.work is not None
+                or threading.get_ident() != thread):
+            return original(tensor, op=op, group=group, async_op=async_op)
+        seen.own_index = dist.get_rank(group)
+        seen.own_row = tensor.view(-1, tensor.shape[-1])[seen.own_index].clone()
+        seen.work = original(tensor, op=op, group=group, async_op=True)
+        seen.work.wait()
+        return None
+
+    outer_group = group
+    dist.all_reduce = all_reduce
+    try:
+        yield seen
+    finally:
+        dist.all_reduce = original
+
+
+def _failed_peers(work: Any) -> list[int] | None:
+    """The peers a Mooncake collective marked failed on this rank, or None when it completed
+    with every peer it tried (or the group is not Mooncake's: nothing to ask)."""
+    try:
+        from mooncake.pg import get_failed_ranks_hint, get_local_success
+    except ImportError:
+        return None
+    if get_local_success(work):
+        return None
+    hint = get_failed_ranks_hint(work)
+    return [] if hint is None else [rank for rank, failed in enumerate(hint.tolist()) if failed]
+
+
+def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any) -> list[int]:
+    """After the all-reduce of the pass's rows reported a failed peer on this rank (module
+    docstring): this rank's own row is what it sent, the failed peers' rows are idle. The
+    failed peers (none on a pass that completed with every peer)."""
+    import torch.distributed as dist
+
+    if seen.work is None or not str(dist.get_backend(group)).startswith("mooncake"):
+        return []
+    failed = _failed_peers(seen.work)
+    if failed is None:
+        return []
+    view = getattr(info, "tp0_info_cpu", None)
+    if view is None or view.device.type != "cpu" or view.dim() != 2:
+        return failed
+    width = int(view.shape[1])
+    rows = int(info.num_dp_ranks) * int(info.tp_size) * int(info.cp_size)
+    full = view.as_strided((rows, width), (width, 1), view.storage_offset())
+    fallback = info._get_fallback_tensor(device="cpu")
+    for rank in failed:
+        if rank < rows and rank != seen.own_index and fallback.numel() == width:
+            full[rank] = fallback
+    if 0 <= seen.own_index < rows:
+        full[seen.own_index] = seen.own_row.to("cpu")
+    _derive_again(info, view)
+    logger.warning("[elastic-ep] the DP gather completed without peers %s (they failed during "
+                   "it): this rank's row is what it sent, theirs are idle for this pass", failed)
+    return failed

@@ -36,7 +36,11 @@ from sglang_elastic_ep.core.membership import failed_launch_ranks, failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.core.tail_recovery_machine import ReplacementVerdict, TailRecoveryMachine
-from sglang_elastic_ep.sglang.gather_repair import repair_after_gather
+from sglang_elastic_ep.sglang.gather_repair import (
+    repair_after_failed_gather,
+    repair_after_gather,
+    seeing_the_all_reduce,
+)
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
@@ -304,8 +308,8 @@ def gather_masks_expanded_world(
     (``ElasticEPState.active_ranks``, which Mooncake clears when a rank dies). Seen without it:
     a joiner killed during the gather left a garbage token count in its row, and a survivor
     died building an idle batch of 32622 tokens. A peer that dies before Mooncake clears its
-    mask entry can still leave garbage: ``gather_repair`` checks the rows after every gather
-    of an elastic server."""
+    mask entry can still leave garbage: ``gather_repair`` asks the all-reduce whether it
+    completed with every peer and checks the rows after every gather of an elastic server."""
     elastic = state_manager().instance()
     if elastic is None:  # elastic EP off: upstream's gather as it is
         return original(info, device, group, use_all_reduce)
@@ -325,8 +329,10 @@ def gather_masks_expanded_world(
     tp_group.active_ranks_cpu = world if world.device.type == "cpu" else state.active_ranks_cpu
     tp_group.active_ranks = world
     try:
-        result = original(info, device, group, use_all_reduce)
+        with seeing_the_all_reduce(group) as seen:
+            result = original(info, device, group, use_all_reduce)
     finally:
         tp_group.active_ranks, tp_group.active_ranks_cpu = saved
+    repair_after_failed_gather(info, seen, group)
     repair_after_gather(info)
     return result

@@ -1,0 +1,74 @@
+"""A peer that dies before the DP gather's all-reduce: each survivor learns it from Mooncake
+(the all-reduce did not complete with every peer, and which peer failed), takes its own row
+back from what it sent and the dead peer's row as idle. A gather with every peer is left as it
+came. Real ``mooncake-cpu`` group, three processes, the victim exits between the rounds."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import mooncake_gather_workers as W  # noqa: E402
+
+WORLD = 3
+VICTIM = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[int, tuple[dict, dict]]:
+    pytest.importorskip("mooncake.pg", reason="needs Mooncake's process group (mooncake.pg)")
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=W.run_rank, args=(r, WORLD, port, VICTIM, results))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        got: dict[int, tuple[dict, dict]] = {}
+        while len(got) < WORLD - 1:
+            try:
+                rank, first, second = results.get(timeout=120)
+            except queue.Empty:
+                pytest.fail(f"survivors reported {sorted(got)} within 120 s")
+            got[rank] = (first, second)
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(timeout=10)
+
+
+def test_a_gather_with_every_peer_is_left_alone(outcomes) -> None:
+    for rank, (first, _) in outcomes.items():
+        assert first["failed"] == [], (rank, first)
+        assert first["summed"] == [W.sent_row(r, 0)[0] for r in range(WORLD)], (rank, first)
+        assert first["rows"] == [W.sent_row(r, 0) for r in range(WORLD)], (rank, first)
+
+
+def test_a_survivor_takes_back_its_row_and_idles_the_dead_peer(outcomes) -> None:
+    for rank, (_, second) in outcomes.items():
+        assert second["failed"] == [VICTIM], (rank, second)
+        rows = second["rows"]
+        assert rows[rank] == W.sent_row(rank, 1), (rank, second)
+        assert rows[VICTIM] == W.IDLE, (rank, second)
+        # The other survivor's row is left as the sum made it (here with the planted stale value).
+        other = next(r for r in range(WORLD) if r not in (rank, VICTIM))
+        assert rows[other] == [v + W.STALE for v in W.sent_row(other, 1)], (rank, second)
+        assert second["tokens"] == [row[0] for row in rows], (rank, second)
