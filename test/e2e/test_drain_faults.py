@@ -14,9 +14,11 @@ to 3, then 3 -> 2 while a long request runs on shard 2, and node 1 (rank 1, a st
 killed mid-drain. The promise: every rank calls the scale-down off on one agreed pass (the
 release would hand rank 1's slots to a dead rank), the operation fails naming the staying rank,
 the size stays 3 with rank 1 failed, shard 2 takes requests again and the long request
-completes with every token. It passed here; in one CI run the joiner's scheduler died instead
-on the pass rank 1 died in, from the DP gather's rows (docs/design.md, "Garbage rows after a
-peer dies mid-gather"), so it stays out of the suite until that race is closed.
+completes with every token. In one CI run the joiner's scheduler died instead on the pass
+rank 1 died in, from the DP gather's rows; survivors now take their own row back when the
+gather reports a failed peer, and it passed here since (docs/design.md, "Garbage rows after a
+peer dies mid-gather"). It stays out of the suite for what that repair does not cover (the
+other live peers' rows on a survivor that missed the dead peer's tensor) and for its time.
 
 Throughout, no request fails except those a killed rank was running (503 with a message), and
 every completed request decoded the reference tokens.
@@ -137,8 +139,9 @@ def test_a_leaving_rank_killed_mid_drain(tiny_model: Path) -> None:
         assert_only_killed_requests_lost(results, kills, reference, LOAD_CLIENTS)
 
 
-@pytest.mark.known_race("a survivor can die on the DP-gather rows of the pass its peer died "
-                        "in (docs/design.md, 'Garbage rows after a peer dies mid-gather')")
+@pytest.mark.known_race("on the pass its peer died in, a survivor that missed the dead peer's "
+                        "tensor keeps the other live peers' rows as the sum left them "
+                        "(docs/design.md, 'Garbage rows after a peer dies mid-gather')")
 @pytest.mark.timeout(1800)
 def test_a_staying_rank_killed_mid_drain(tiny_model: Path) -> None:
     with LocalCluster(_spec(tiny_model, nodes=2)) as cluster:
