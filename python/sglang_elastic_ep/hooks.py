@@ -123,15 +123,17 @@ HOOKS: tuple[Hook, ...] = (
          "AROUND",
          "every rank reads the membership verdict from the same gathered rows, on the same pass;"
          " over the expanded WORLD a dead joiner's row is blanked with WORLD's mask (upstream "
-         "uses the launch-time TP group's, which has no entry for it)"),
+         "uses the launch-time TP group's, which has no entry for it), and the all-reduce inside"
+         " runs through a handle so a survivor of a peer's death mid-gather repairs its rows "
+         "(upstream drops the handle that says the peer failed)"),
     Hook(f"{DPA}.prepare_mlp_sync_batch_raw", "sglang.gather_agreement:bracket_mlp_sync",
          "AROUND",
          "the agreement's inputs need the pass's model runner and batch, which all_gather "
          "does not receive"),
     Hook(f"{DPA}.MLPSyncBatchInfo._get_local_tensor",
          "sglang.gather_agreement:append_agreement_columns", "AROUND",
-         "this rank's gather row carries its membership proposal and expert timings: the "
-         "agreement needs no collective of its own"),
+         "this rank's gather row carries its membership proposal, expert timings and a check "
+         "value: the agreement needs no collective of its own"),
     Hook(f"{DPA}.MLPSyncBatchInfo._get_fallback_tensor",
          "sglang.gather_agreement:append_blank_columns", "AROUND",
          "rows no rank wrote (and inactive ranks' rows) must be as wide as the others and "

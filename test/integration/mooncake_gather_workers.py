@@ -3,9 +3,10 @@
 Every rank joins a real ``mooncake-cpu`` WORLD group and runs, twice, what upstream's DP gather
 over the expanded WORLD runs (a zeroed tensor of every row, its own row written, an all-reduce
 SUM), through the plugin's ``seeing_the_all_reduce``; then ``repair_after_failed_gather`` on the
-result. Round 1 has every rank; the victim exits before round 2. Before the repair each
-survivor adds ``STALE`` to every row, as a dead peer's stale buffer would (the repair must not
-depend on Mooncake leaving the sum clean). Each survivor puts its rounds' outcomes on the queue.
+result. Rows end with their check value, as during the agreement's gather. Round 1 has every
+rank; the victim exits before round 2. Before the repair each survivor adds ``STALE`` to every
+row, as a dead peer's stale buffer would (the repair must not depend on Mooncake leaving the
+sum clean). Each survivor puts its rounds' outcomes on the queue.
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-WIDTH = 11
+WIDTH = 12
 STALE = 7
 
 
 def sent_row(rank: int, round_index: int) -> list[int]:
-    """A row a scheduler sends: upstream's eleven columns (forward mode 2)."""
+    """A row a scheduler sends: upstream's eleven columns (forward mode 2), then its check."""
+    from sglang_elastic_ep.sglang.gather_repair import row_check
+
     tokens = 10 * (rank + 1) + round_index
-    return [tokens, tokens, 1, 0, 1, 2, 0, 0, 1, 0, 0]
+    values = [tokens, tokens, 1, 0, 1, 2, 0, 0, 1, 0, 0]
+    return [*values, row_check(values)]
 
 
-IDLE = [0, 0, 1, 0, 1, 4, 0, 0, 1, 0, 0]
+IDLE = [0, 0, 1, 0, 1, 4, 0, 0, 1, 0, 0, 0]
 
 
 class GatherInfo:
@@ -55,7 +59,7 @@ def one_round(rank: int, world: int, round_index: int, stale: int) -> dict[str, 
     summed = rows[:, 0].tolist()
     rows += stale
     info = GatherInfo(rows, world)
-    failed = repair_after_failed_gather(info, seen, group)
+    failed = repair_after_failed_gather(info, seen, group, checked=True)
     return {"summed": summed, "failed": failed, "rows": rows.tolist(),
             "tokens": info.global_num_tokens}
 

@@ -1,7 +1,8 @@
 """A peer that dies before the DP gather's all-reduce: each survivor learns it from Mooncake
 (the all-reduce did not complete with every peer, and which peer failed), takes its own row
-back from what it sent and the dead peer's row as idle. A gather with every peer is left as it
-came. Real ``mooncake-cpu`` group, three processes, the victim exits between the rounds."""
+back from what it sent, the dead peer's row as idle, and a live peer's row whose check fails as
+idle too. A gather with every peer is left as it came. Real ``mooncake-cpu`` group, three
+processes, the victim exits between the rounds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -18,14 +18,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import mooncake_gather_workers as W  # noqa: E402
 
+from sglang_elastic_ep_testbed.cluster.procs import free_port  # noqa: E402
+
 WORLD = 3
 VICTIM = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +29,7 @@ def outcomes() -> dict[int, tuple[dict, dict]]:
     pytest.importorskip("mooncake.pg", reason="needs Mooncake's process group (mooncake.pg)")
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=W.run_rank, args=(r, WORLD, port, VICTIM, results))
              for r in range(WORLD)]
     for p in procs:
@@ -68,7 +64,7 @@ def test_a_survivor_takes_back_its_row_and_idles_the_dead_peer(outcomes) -> None
         rows = second["rows"]
         assert rows[rank] == W.sent_row(rank, 1), (rank, second)
         assert rows[VICTIM] == W.IDLE, (rank, second)
-        # The other survivor's row is left as the sum made it (here with the planted stale value).
+        # The other survivor's row, with the planted stale value, fails its check.
         other = next(r for r in range(WORLD) if r not in (rank, VICTIM))
-        assert rows[other] == [v + W.STALE for v in W.sent_row(other, 1)], (rank, second)
+        assert rows[other] == W.IDLE, (rank, second)
         assert second["tokens"] == [row[0] for row in rows], (rank, second)

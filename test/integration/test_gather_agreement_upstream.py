@@ -23,6 +23,8 @@ from sglang_elastic_ep.core.agreement import (  # noqa: E402
     StepKind,
 )
 from sglang_elastic_ep.sglang import expert_health, gather_agreement, tail_recovery  # noqa: E402
+from sglang_elastic_ep.sglang.gather_agreement import CHECK_COLUMNS  # noqa: E402
+from sglang_elastic_ep.sglang.gather_repair import row_check  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.procs import free_port  # noqa: E402
 
 DPA = "sglang.srt.managers.scheduler_components.dp_attn."
@@ -108,7 +110,9 @@ def test_upstreams_gather_carries_the_proposal_and_keeps_its_own_answers(
     agreement.runner = object()  # what bracket_mlp_sync hands over for the pass
     info = sync_info(dp_attn, slots)
     info.all_gather(device=device, group=dist.group.WORLD, use_all_reduce=use_all_reduce)
-    assert info.tp0_info_cpu.shape[1] == 11 + PROPOSAL_COLUMNS + 4
+    assert info.tp0_info_cpu.shape[1] == 11 + PROPOSAL_COLUMNS + 4 + CHECK_COLUMNS
+    row = info.tp0_info_cpu[0].tolist()
+    assert row[-1] == row_check(row[:-1])  # this rank's row ends with its check value
     assert info.global_num_tokens == plain.global_num_tokens == [3, 0][:slots]
     assert info.can_run_decode_cuda_graph == plain.can_run_decode_cuda_graph
     agreed = agreement.take()

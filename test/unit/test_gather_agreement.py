@@ -25,6 +25,7 @@ from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
 from sglang_elastic_ep.sglang import expert_health, gather_agreement, launch_recovery, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import GatherAgreement
 from sglang_elastic_ep.sglang.gather_agreement import gather_agreement as ga_of
+from sglang_elastic_ep.sglang.gather_repair import row_check
 
 DEVICES = [
     "cpu",
@@ -197,8 +198,8 @@ def test_the_gather_hook_leaves_a_round_for_this_pass_and_the_timings(
     def upstream_all_gather(sync: Info, device: Any, group: Any, use_all_reduce: bool) -> None:
         row = sync._get_local_tensor(device=device)
         fallback = sync._get_fallback_tensor(device=device)
-        peer_row = torch.cat((upstream_fallback(sync, device),
-                              torch.tensor(pack_row(peer, [200, 6]))))
+        values = upstream_fallback(sync, device).tolist() + pack_row(peer, [200, 6])
+        peer_row = torch.tensor([*values, row_check(values)])
         all_reduce_gather({0: row, 1: peer_row}, fallback, sync, active=[1, 1])
 
     agreement = ga_of(states[0])

@@ -57,3 +57,26 @@ def test_a_clean_gather_is_left_alone() -> None:
     assert repair_after_gather(info) == []
     assert info.global_num_tokens == [3, 5, 0]
     assert not hasattr(info, "global_attention_pairs")  # nothing derived again
+
+
+def test_a_row_check_fails_on_stale_bytes_and_on_a_sum_of_rows() -> None:
+    a, b = row(3), row(5, mode=1)
+    assert gather_repair.row_check(a) == gather_repair.row_check(list(a))
+    summed = [x + y for x, y in zip(a, b, strict=True)]
+    check_sum = gather_repair.row_check(a) + gather_repair.row_check(b)
+    assert gather_repair.row_check(summed) != check_sum
+    stale = [x + 7 for x in a]
+    assert gather_repair.row_check(stale) != gather_repair.row_check(a) + 7
+
+
+def test_only_written_rows_with_a_wrong_check_are_found() -> None:
+    def checked(values: list[int]) -> list[int]:
+        return [*values, gather_repair.row_check(values)]
+
+    idle = torch.tensor(IDLE + [0])
+    good, other = checked(row(3)), checked(row(4))
+    broken = list(good)
+    broken[0] += 1
+    full = torch.tensor([good, IDLE + [0], broken, other])
+    found = gather_repair._rows_failing_their_check(full, idle, skip={3})
+    assert found == [2]

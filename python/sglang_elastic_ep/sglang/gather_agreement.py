@@ -41,6 +41,7 @@ from sglang_elastic_ep.core.agreement import (
     pack_row,
 )
 from sglang_elastic_ep.sglang import expert_health, launch_recovery, tail_recovery
+from sglang_elastic_ep.sglang.gather_repair import row_check
 from sglang_elastic_ep.sglang.pass_progress import pass_progress
 from sglang_elastic_ep.sglang.pass_round import (
     AGREEMENT_ATTR,
@@ -225,7 +226,7 @@ def gather_with_agreement(
     agreement.upstream_width = 0
     try:
         result = tail_recovery.gather_masks_expanded_world(original, info, device, group,
-                                                           use_all_reduce)
+                                                           use_all_reduce, checked_rows=True)
     finally:
         agreement.outgoing = None
     if not agreement.upstream_width:
@@ -240,17 +241,21 @@ def gather_with_agreement(
     return result
 
 
+CHECK_COLUMNS = 1  # the row's check value (``gather_repair.row_check``), after our columns
+
+
 def _extended(base: torch.Tensor, columns: list[int], device: Any) -> torch.Tensor:
     # Appended on the host: the row still reaches the device in one copy, as upstream's does.
-    extra = torch.tensor(columns, dtype=base.dtype)
-    return torch.cat((base, extra)).to(device)
+    row = base.tolist() + columns
+    return torch.tensor([*row, row_check(row)], dtype=base.dtype).to(device)
 
 
 def append_agreement_columns(
     original: Any, info: Any, device: Any, dtype: torch.dtype = torch.int64
 ) -> torch.Tensor:
     """AROUND ``MLPSyncBatchInfo._get_local_tensor``: during the agreement's gather this rank's
-    row ends with its proposal and expert timings."""
+    row ends with its proposal and expert timings, then the row's check value (a survivor of a
+    peer's death mid-gather tells stale rows by it: ``gather_repair``)."""
     agreement = _agreement_in_gather()
     if agreement is None:
         return original(info, device=device, dtype=dtype)
@@ -268,18 +273,20 @@ def append_blank_columns(
     if agreement is None:
         return original(info, device=device, dtype=dtype)
     base = original(info, device="cpu", dtype=dtype)
-    return _extended(base, [0] * len(agreement.outgoing), device)
+    extra = torch.zeros(len(agreement.outgoing) + CHECK_COLUMNS, dtype=base.dtype)
+    return torch.cat((base, extra)).to(device)
 
 
 def gathered_columns(info: Any, upstream_width: int, width: int) -> list[list[int]]:
-    """Every gathered row's agreement columns (``width`` after upstream's ``upstream_width``).
+    """Every gathered row's agreement columns (``width`` after upstream's ``upstream_width``;
+    the check column after them is left out).
 
     Upstream keeps the host copy of the whole gather only through ``tp0_info_cpu``, the
     attention-TP-rank-0 view of it (``global_info_tensor.cpu()[:, 0, :]``); the rows of other
     attention-TP ranks are in the same storage. Reading them there touches no device.
     """
     view = info.tp0_info_cpu
-    total = upstream_width + width
+    total = upstream_width + width + CHECK_COLUMNS
     rows = int(info.num_dp_ranks) * int(info.tp_size) * int(info.cp_size)
     if view is None or view.device.type != "cpu" or view.dim() != 2 or view.shape[1] != total:
         raise RuntimeError(f"unexpected gathered rows: {None if view is None else view.shape} "
@@ -289,7 +296,7 @@ def gathered_columns(info: Any, upstream_width: int, width: int) -> list[list[in
     if view.untyped_storage().nbytes() < needed:
         raise RuntimeError(f"the gathered rows' host copy holds fewer than {rows} rows")
     full = view.as_strided((rows, total), (total, 1), view.storage_offset())
-    return full[:, upstream_width:].tolist()
+    return full[:, upstream_width:upstream_width + width].tolist()
 
 
 # ------------------------------------------------------------------ fallback: no gather to use

@@ -23,13 +23,20 @@ not locally successful and names the failed peers (``get_local_success``,
 ``get_failed_ranks_hint``). On such a pass the survivor takes its own row back from what it
 sent and the failed peers' rows as idle (``repair_after_failed_gather``). A survivor that did
 receive the peer's tensor has correct rows and reports success.
+
+The other live peers' rows on such a survivor hold stale bytes only when they came from a
+collective of another shape on the same buffer slot. During the agreement's gather each row
+ends with a check value over the row (``row_check``), so the survivor can tell those rows too
+and takes them as idle for the pass rather than act on counts nobody sent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import struct
 import threading
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +50,13 @@ FORWARD_MODE = 5
 COUNT_COLUMNS = (0, 1, 7, 10)  # token counts, prefix length, attention pairs: >= 0
 FLAG_COLUMNS = (2, 3, 4, 6, 8, 9)  # booleans sent as 0/1
 UPSTREAM_COLUMNS = 11
+
+
+def row_check(values: Sequence[int]) -> int:
+    """The check value a gather row carries in its last column: CRC-32 of the other columns'
+    int64 bytes. Not linear in the values, so neither a row with stale bytes added nor the sum
+    of two rows passes it."""
+    return zlib.crc32(struct.pack(f"<{len(values)}q", *values))
 
 
 def garbage_rows(rows: Sequence[Sequence[int]], forward_modes: frozenset[int]) -> list[int]:
@@ -150,10 +164,12 @@ def _failed_peers(work: Any) -> list[int] | None:
     return [] if hint is None else [rank for rank, failed in enumerate(hint.tolist()) if failed]
 
 
-def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any) -> list[int]:
+def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
+                               checked: bool = False) -> list[int]:
     """After the all-reduce of the pass's rows reported a failed peer on this rank (module
-    docstring): this rank's own row is what it sent, the failed peers' rows are idle. The
-    failed peers (none on a pass that completed with every peer)."""
+    docstring): this rank's own row is what it sent, the failed peers' rows are idle, and with
+    ``checked`` (rows end with ``row_check``) so are other rows whose check fails. The failed
+    peers (none on a pass that completed with every peer)."""
     import torch.distributed as dist
 
     if seen.work is None or not str(dist.get_backend(group)).startswith("mooncake"):
@@ -173,7 +189,25 @@ def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any) -> li
             full[rank] = fallback
     if 0 <= seen.own_index < rows:
         full[seen.own_index] = seen.own_row.to("cpu")
+    stale = _rows_failing_their_check(full, fallback, skip={seen.own_index, *failed}) \
+        if checked else []
+    for index in stale:
+        full[index] = fallback
     _derive_again(info, view)
     logger.warning("[elastic-ep] the DP gather completed without peers %s (they failed during "
-                   "it): this rank's row is what it sent, theirs are idle for this pass", failed)
+                   "it): this rank's row is what it sent, theirs are idle for this pass%s",
+                   failed, f"; rows {stale} failed their check and are idle too" if stale else "")
     return failed
+
+
+def _rows_failing_their_check(full: Any, fallback: Any, skip: set[int]) -> list[int]:
+    """Rows of ``full`` that some rank wrote (not the fallback row) whose last column is not
+    ``row_check`` of the others."""
+    idle = fallback.tolist()
+    bad = []
+    for index, values in enumerate(full.tolist()):
+        if index in skip or values == idle or len(values) < 2:
+            continue
+        if row_check(values[:-1]) != values[-1]:
+            bad.append(index)
+    return bad

@@ -299,7 +299,8 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
 
 
 def gather_masks_expanded_world(
-    original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool = False
+    original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool = False,
+    checked_rows: bool = False,
 ) -> Any:
     """Upstream's ``dp_attn.MLPSyncBatchInfo.all_gather`` with WORLD's mask (called by its hook,
     ``gather_agreement.gather_with_agreement``): upstream blanks the rows of inactive
@@ -309,7 +310,8 @@ def gather_masks_expanded_world(
     a joiner killed during the gather left a garbage token count in its row, and a survivor
     died building an idle batch of 32622 tokens. A peer that dies before Mooncake clears its
     mask entry can still leave garbage: ``gather_repair`` asks the all-reduce whether it
-    completed with every peer and checks the rows after every gather of an elastic server."""
+    completed with every peer and checks the rows after every gather of an elastic server
+    (``checked_rows``: each row ends with its ``gather_repair.row_check``)."""
     elastic = state_manager().instance()
     if elastic is None:  # elastic EP off: upstream's gather as it is
         return original(info, device, group, use_all_reduce)
@@ -333,6 +335,6 @@ def gather_masks_expanded_world(
             result = original(info, device, group, use_all_reduce)
     finally:
         tp_group.active_ranks, tp_group.active_ranks_cpu = saved
-    repair_after_failed_gather(info, seen, group)
+    repair_after_failed_gather(info, seen, group, checked=checked_rows)
     repair_after_gather(info)
     return result
