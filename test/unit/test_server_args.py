@@ -27,3 +27,14 @@ def test_a_negative_drain_timeout_is_refused() -> None:
     server_args = SimpleNamespace(elastic_ep_scale_timeout=600.0)
     with pytest.raises(ValueError, match="drain-timeout must be >= 0"):
         eep_args.from_cli_args(server_args, None, parsed(elastic_ep_drain_timeout=-1.0))
+
+
+@pytest.mark.parametrize(("timeout", "window", "short"), [
+    (2.0, 3.0, True), (2.0, 4.0, False), (2.0, 6.0, False), (None, 1.0, False), (2.0, None, False),
+])
+def test_a_fault_window_below_twice_the_collective_timeout_is_named(
+        timeout: float | None, window: float | None, short: bool) -> None:
+    why = eep_args.fault_window_too_short(timeout, window)
+    assert (why is not None) is short
+    if short:
+        assert "--elastic-ep-fault-window 4 or more" in why and f"{window:g}" in why

@@ -7,6 +7,7 @@ accepted, and giving both with different values is a startup error.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any
 
@@ -107,6 +108,10 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
             if value <= 0:
                 raise ValueError(f"{env}: Mooncake timeouts must be positive seconds, got {value}")
             os.environ[env] = str(value)
+    short = fault_window_too_short(server_args.elastic_ep_collective_timeout,
+                                   server_args.elastic_ep_fault_window)
+    if short:
+        logging.getLogger(__name__).warning("[elastic-ep] %s", short)
     from sglang_elastic_ep.core.health import HealthConfig
 
     HealthConfig(  # bad thresholds are a startup error, not a failure in the HTTP process
@@ -186,3 +191,22 @@ def reserve_room_to_grow(server_args: Any) -> None:
     replica = tp // dp if tp % dp == 0 else tp
     server_args.eep_declared_max_ep_size = int(declared)
     server_args.max_ep_size = int(declared) + max(1, replica)
+
+
+def fault_window_too_short(collective_timeout: float | None, fault_window: float | None
+                           ) -> str | None:
+    """Why the fault window given is too short for the collective timeout given, or None.
+
+    Mooncake's coordinator decides whom to evict when the window closes, from the failed links
+    reported by then. A survivor that notices a death only through the collective timeout
+    reports after it; if only a faster survivor's report is in, the dead rank and that reporter
+    look equally connected and the tie goes against the higher rank: a live rank is evicted.
+    Seen on the CPU cluster with a 2 s timeout and a 3 s window (a scale joiner evicted when a
+    launch-time rank died)."""
+    if collective_timeout is None or fault_window is None or fault_window >= 2 * collective_timeout:
+        return None
+    return (f"--elastic-ep-fault-window {fault_window:g} is below twice "
+            f"--elastic-ep-collective-timeout {collective_timeout:g}: a survivor that notices a "
+            "death through the timeout may report it after the window closed, and Mooncake can "
+            f"then evict a live rank; use --elastic-ep-fault-window {2 * collective_timeout:g} "
+            "or more")

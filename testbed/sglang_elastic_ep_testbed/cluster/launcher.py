@@ -77,7 +77,9 @@ class ClusterSpec:
     moe_a2a_backend: str = "none"
     max_total_tokens: int = 4096
     collective_timeout_s: float = 2.0
-    fault_window_s: float = 3.0
+    # Above twice the collective timeout: a survivor that notices a death only through the
+    # timeout reports it within the window (docs/operations.md, "Before launch").
+    fault_window_s: float = 6.0
     extra_args: list[str] = field(default_factory=list)
     log_dir: Path = DEFAULT_LOG_DIR
     ready_timeout_s: float = 300.0
