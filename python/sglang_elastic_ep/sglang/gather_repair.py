@@ -10,8 +10,8 @@ After upstream's gather, each rank checks the host copy upstream already made
 (``tp0_info_cpu``; no device access): a row with a negative count or length, a forward mode
 that is not one, or a flag other than 0/1 becomes the idle fallback row for this pass (the
 rank that died sends nothing anyway), and the fields upstream derives from the rows are
-derived again. A row is judged on its own values only: a live rank's row never changes here.
-On every other pass the check reads one small host tensor.
+derived again. This check judges a row on its own values only: a live rank's plausible row
+never changes by it. On every other pass it reads one small host tensor.
 
 The gather over the expanded WORLD is an all-reduce: each rank writes its row into a zeroed
 tensor of every row and the ranks sum them. A peer that dies during it leaves, in each
@@ -190,7 +190,7 @@ def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
     if 0 <= seen.own_index < rows:
         full[seen.own_index] = seen.own_row.to("cpu")
     stale = _rows_failing_their_check(full, fallback, skip={seen.own_index, *failed}) \
-        if checked else []
+        if checked and fallback.numel() == width else []
     for index in stale:
         full[index] = fallback
     _derive_again(info, view)
