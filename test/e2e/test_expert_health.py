@@ -117,7 +117,7 @@ def wait_served_without(load: LoadClient, url: str, rank: int, timeout_s: float)
 def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> None:
     spec = ClusterSpec(
         tiny_model, ep_size=3, max_ep_size=4, moe_a2a_backend="nixl",
-        collective_timeout_s=COLLECTIVE_TIMEOUT_S, fault_window_s=COLLECTIVE_TIMEOUT_S,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S, fault_window_s=2 * COLLECTIVE_TIMEOUT_S,
         # static dispatch: each rank's tokens use its own replicas, so every rank's experts
         # run (and get timed); without it every token takes the first replica (rank 0's).
         extra_args=["--ep-num-redundant-experts", "32", "--ep-dispatch-algorithm", "static",
