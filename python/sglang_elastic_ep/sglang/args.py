@@ -200,9 +200,8 @@ def fault_window_too_short(collective_timeout: float | None, fault_window: float
     Mooncake's coordinator decides whom to evict when the window closes, from the failed links
     reported by then. A survivor that notices a death only through the collective timeout
     reports after it; if only a faster survivor's report is in, the dead rank and that reporter
-    look equally connected and the tie goes against the higher rank: a live rank is evicted.
-    Seen on the CPU cluster with a 2 s timeout and a 3 s window (a scale joiner evicted when a
-    launch-time rank died)."""
+    look equally connected and the tie goes against the higher rank: a live rank is evicted
+    (docs/operations.md, "Fault timing")."""
     if collective_timeout is None or fault_window is None or fault_window >= 2 * collective_timeout:
         return None
     return (f"--elastic-ep-fault-window {fault_window:g} is below twice "
