@@ -64,18 +64,39 @@ def one_round(rank: int, world: int, round_index: int, stale: int) -> dict[str, 
             "tokens": info.global_num_tokens}
 
 
+def fallback_verdicts(rank: int, world: int) -> list[str]:
+    """The verdicts of two fallback rounds over WORLD (see the module docstring)."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep.core.agreement import Proposal, StepKind
+    from sglang_elastic_ep.sglang import expert_health, gather_agreement
+
+    expert_health.local_contribution = lambda own, size: []
+    expert_health.expert_health_state = lambda state: SimpleNamespace(take_gathered=list)
+    gather_agreement.world_host_group = lambda: dist.group.WORLD
+    verdicts = []
+    for all_ready in (False, True):
+        ready = 3 if all_ready or rank != world - 1 else 0
+        gather_agreement.propose = lambda state, runner, batch_idle, ready=ready: Proposal(
+            rank=rank, kind=StepKind.GROW, ready=ready, target=3, serving=2)
+        state = SimpleNamespace(active_ranks=torch.ones(world, dtype=torch.int32))
+        verdicts.append(gather_agreement.agree_by_all_reduce(state, runner=None).verdict.name)
+    return verdicts
+
+
 def run_rank(rank: int, world: int, port: int, victim: int, results: Any) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     import mooncake.pg  # noqa: F401  (registers the mooncake-cpu backend)
 
     dist.init_process_group(backend="mooncake-cpu", rank=rank, world_size=world)
+    verdicts = fallback_verdicts(rank, world)
     first = one_round(rank, world, 0, 0)
     dist.barrier()
     if rank == victim:
         os._exit(0)
     second = one_round(rank, world, 1, STALE)
-    results.put((rank, first, second))
+    results.put((rank, first, second, verdicts))
     results.close()
     results.join_thread()  # flushed before the hard exit (Mooncake's threads block a clean one)
     os._exit(0)

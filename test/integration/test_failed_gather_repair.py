@@ -2,7 +2,8 @@
 (the all-reduce did not complete with every peer, and which peer failed), takes its own row
 back from what it sent, the dead peer's row as idle, and a live peer's row whose check fails as
 idle too. A gather with every peer is left as it came. Real ``mooncake-cpu`` group, three
-processes, the victim exits between the rounds."""
+processes, the victim exits between the rounds. Before them, the same processes agree by the
+fallback for passes without a gather (a host all-reduce)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ VICTIM = 2
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> dict[int, tuple[dict, dict]]:
+def outcomes() -> dict[int, tuple[dict, dict, list[str]]]:
     pytest.importorskip("mooncake.pg", reason="needs Mooncake's process group (mooncake.pg)")
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -35,13 +36,13 @@ def outcomes() -> dict[int, tuple[dict, dict]]:
     for p in procs:
         p.start()
     try:
-        got: dict[int, tuple[dict, dict]] = {}
+        got: dict[int, tuple[dict, dict, list[str]]] = {}
         while len(got) < WORLD - 1:
             try:
-                rank, first, second = results.get(timeout=120)
+                rank, first, second, verdicts = results.get(timeout=120)
             except queue.Empty:
                 pytest.fail(f"survivors reported {sorted(got)} within 120 s")
-            got[rank] = (first, second)
+            got[rank] = (first, second, verdicts)
         return got
     finally:
         for p in procs:
@@ -52,14 +53,14 @@ def outcomes() -> dict[int, tuple[dict, dict]]:
 
 
 def test_a_gather_with_every_peer_is_left_alone(outcomes) -> None:
-    for rank, (first, _) in outcomes.items():
+    for rank, (first, _, _) in outcomes.items():
         assert first["failed"] == [], (rank, first)
         assert first["summed"] == [W.sent_row(r, 0)[0] for r in range(WORLD)], (rank, first)
         assert first["rows"] == [W.sent_row(r, 0) for r in range(WORLD)], (rank, first)
 
 
 def test_a_survivor_takes_back_its_row_and_idles_the_dead_peer(outcomes) -> None:
-    for rank, (_, second) in outcomes.items():
+    for rank, (_, second, _) in outcomes.items():
         assert second["failed"] == [VICTIM], (rank, second)
         rows = second["rows"]
         assert rows[rank] == W.sent_row(rank, 1), (rank, second)
@@ -68,3 +69,9 @@ def test_a_survivor_takes_back_its_row_and_idles_the_dead_peer(outcomes) -> None
         other = next(r for r in range(WORLD) if r not in (rank, VICTIM))
         assert rows[other] == W.IDLE, (rank, second)
         assert second["tokens"] == [row[0] for row in rows], (rank, second)
+
+
+def test_a_pass_without_a_gather_agrees_by_the_host_all_reduce(outcomes) -> None:
+    # The last rank is not ready in the first round, so every rank waits; then all enter.
+    for rank, (_, _, verdicts) in outcomes.items():
+        assert verdicts == ["WAIT", "ENTER"], (rank, verdicts)

@@ -150,15 +150,16 @@ def test_a_shrink_is_refused_where_no_per_pass_agreement_can_run(
 
     on_device = SimpleNamespace(active_ranks=torch.ones(4, device="meta"), effective_ep_size=3)
     assert "room to grow" in refusal(on_device, max_ep_size=None, attn_dp_enabled=True)
-    # On a device the agreement rides on the DP-attention gather only.
-    assert "--enable-dp-attention" in refusal(on_device, max_ep_size=4, attn_dp_enabled=False)
-    monkeypatch.setattr(scale_down, "dp_gather_every_pass", lambda parallel: True)
     monkeypatch.setattr(scale_down, "too_few_dp_ranks", lambda *a: "past the agreement checks")
     monkeypatch.setattr(scale_down, "state_manager", lambda: None)
     import sglang.srt.elastic_ep.topology as topology
 
     monkeypatch.setattr(topology, "attn_replica_size", lambda: 1)
-    assert refusal(on_device, max_ep_size=4, attn_dp_enabled=True) == "past the agreement checks"
+    # With room to grow the agreement runs on every device, with or without the DP gather
+    # (passes without one agree over WORLD's host group): nothing refused for the device.
+    for attn_dp in (True, False):
+        assert refusal(on_device, max_ep_size=4, attn_dp_enabled=attn_dp) == \
+            "past the agreement checks"
 
 
 class Runner:

@@ -21,7 +21,7 @@ from sglang_elastic_ep.core.agreement import (
 from sglang_elastic_ep.sglang import launch_recovery, scale_progress, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import AgreedRound, gather_agreement
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
-from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on, membership_state_on_host
+from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on
 
 
 def test_agreement_on_any_device_with_room_to_grow() -> None:
@@ -36,8 +36,6 @@ def test_agreement_on_any_device_with_room_to_grow() -> None:
     # The verdict rides in the DP gather: no device-specific step, so no device gate.
     device_state = SimpleNamespace(active_ranks=torch.ones(4, device="meta"))
     assert lockstep_agreement_on(device_state, grow) is True
-    # Only the fallback for passes without a gather (a host all-reduce) asks where state lives.
-    assert membership_state_on_host(cpu_state) and not membership_state_on_host(device_state)
 
 
 def round_of(verdict: LockstepVerdict, kind: StepKind = StepKind.GROW,
@@ -135,15 +133,22 @@ def test_the_all_reduce_fallback_tells_a_rank_which_step_another_called_off(
     monkeypatch.setattr(expert_health, "expert_health_state",
                         lambda state: SimpleNamespace(take_gathered=taken.append))
 
+    host_group = object()
+    groups: list[object] = []
+
     def all_reduce(tensor: torch.Tensor, op: object, group: object) -> None:
         # Another rank drains a scale-down to 2 and calls it off (timed out).
+        groups.append(group)
         other = torch.tensor([0, 0, 2, int(AbortReason.TIMED_OUT), int(StepKind.SHRINK), 7, 1])
         tensor.copy_(torch.maximum(tensor, other))
 
     monkeypatch.setattr(gather_agreement.dist, "all_reduce", all_reduce)
-    monkeypatch.setattr(gather_agreement.dist, "group", SimpleNamespace(WORLD=None))
-    state = SimpleNamespace(active_ranks=torch.ones(3))
+    monkeypatch.setattr(gather_agreement, "world_host_group", lambda: host_group)
+    # The mask on a device (meta stands in): the fallback still reduces host tensors over
+    # WORLD's host group.
+    state = SimpleNamespace(active_ranks=torch.ones(3, device="meta"))
     agreed = gather_agreement.agree_by_all_reduce(state, runner=None)
+    assert groups == [host_group]
     assert agreed.verdict is LockstepVerdict.ABORT
     (called_off,) = agreed.outcome.proposals
     assert (called_off.kind, called_off.target, called_off.abort) == (
@@ -200,16 +205,15 @@ def test_a_second_step_in_the_same_iteration_acts_on_nothing_new(
     assert step.calls == again
 
 
-def test_a_pass_without_a_gather_falls_back_by_where_state_lives(
-    step: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+def test_a_pass_without_a_gather_agrees_by_the_host_all_reduce_on_any_device(
+    step: SimpleNamespace,
 ) -> None:
-    step.agreement.mark_iteration()  # no gather in this iteration
-    step.run()
-    assert step.calls == ["all-reduce"]  # host memory: the old per-pass all-reduce
-    step.calls.clear()
-    monkeypatch.setattr(scale_progress, "membership_state_on_host", lambda s: False)
-    step.run()
-    assert step.calls == ["upstream"]  # on a device: upstream's step, no collective added
+    for mask_device in ("cpu", "meta"):  # meta stands in for a GPU's mask
+        step.state.active_ranks = torch.ones(4, dtype=torch.int32, device=mask_device)
+        step.calls.clear()
+        step.agreement.mark_iteration()  # no gather in this iteration
+        step.run()
+        assert step.calls == ["all-reduce"]  # the fallback, not upstream's own step
 
 
 def test_without_the_agreement_the_step_is_upstreams(step: SimpleNamespace,
@@ -239,12 +243,10 @@ def test_the_idle_step_runs_after_an_agreed_no_batch_and_marks_every_iteration(
     iteration(None, gathered=True)
     assert calls == ["step", "report"]
     calls.clear()
-    monkeypatch.setattr(scale_progress, "membership_state_on_host", lambda s: False)
+    step.state.active_ranks = torch.ones(4, dtype=torch.int32, device="meta")
     iteration(None, gathered=False)
-    assert calls == [] and not agreement.iteration_gathered  # no agreed "no batch" on a device
-    monkeypatch.setattr(scale_progress, "membership_state_on_host", lambda s: True)
-    iteration(None, gathered=False)
-    assert calls == ["step", "report"]  # host memory: the fallback agrees by all-reduce
+    # No gather this iteration, on any device: the step runs and agrees by the host all-reduce.
+    assert calls == ["step", "report"] and not agreement.iteration_gathered
 
 
 def test_a_failure_seen_after_the_gather_skips_upstreams_step_until_the_next_gather(

@@ -14,9 +14,9 @@ verdict is read from the host copy of the gathered rows that upstream makes anyw
 (``global_info_tensor.cpu()`` in ``all_gather``).
 
 Where a pass runs no gather (no DP attention, a single DP rank, or
-``SGLANG_SCHEDULER_SKIP_ALL_GATHER``), :func:`agree_by_all_reduce` is the fallback where
-membership state is in host memory, and upstream's own step elsewhere (docs/design.md,
-"Agreement on the DP gather").
+``SGLANG_SCHEDULER_SKIP_ALL_GATHER``), :func:`agree_by_all_reduce` is the fallback, on every
+device: one MAX all-reduce of host tensors over WORLD's host group (docs/design.md, "Agreement
+on the DP gather").
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
     expert_location_metadata,
     lockstep_agreement_on,
+    world_host_group,
 )
 
 logger = logging.getLogger(__name__)
@@ -303,15 +304,15 @@ def gathered_columns(info: Any, upstream_width: int, width: int) -> list[list[in
 
 
 def agree_by_all_reduce(state: Any, runner: Any) -> AgreedRound:
-    """The verdict from one MAX all-reduce of ``(ready, -ready, target, timings...)`` over WORLD,
-    for passes that run no gather. Only where membership state is in host memory (the CPU
-    engine; a host all-reduce), which is where it ran before the gather carried the agreement."""
+    """The verdict from one MAX all-reduce of ``(ready, -ready, target, timings...)`` over
+    WORLD's host group, for passes that run no gather. Its inputs are host state and it moves
+    host tensors only, so it is the same step on every device and never syncs a GPU stream."""
     proposal = propose(state, runner, batch_idle=True)
     timings = expert_health.local_contribution(proposal.rank, int(state.active_ranks.numel()))
     reduced = torch.tensor([proposal.ready, -proposal.ready, proposal.target,
                             int(proposal.abort), int(proposal.kind), *timings],
                            dtype=torch.int64)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=world_host_group())
     expert_health.expert_health_state(state).take_gathered(reduced[5:].tolist())
     if int(reduced[3]):  # some rank calls the pending step off: every rank drops it
         reason = AbortReason(int(reduced[3]))

@@ -37,9 +37,7 @@ from sglang_elastic_ep.sglang.scale_up import CANCEL_EP_SIZE, request_cancel, sc
 from sglang_elastic_ep.sglang.tail_release import release_tail
 from sglang_elastic_ep.sglang.upstream import (
     attached_state,
-    dp_gather_every_pass,
     lockstep_agreement_on,
-    membership_state_on_host,
     scale_timeout_s,
     state_manager,
 )
@@ -131,10 +129,6 @@ def refusal(state: Any, new_ep_size: int) -> str | None:
     if not lockstep_agreement_on(state, parallel):
         return ("scale-down needs the per-pass rank agreement, which runs only in a deployment "
                 "started with --max-ep-size (room to grow): restart with it to scale down")
-    if not (dp_gather_every_pass(parallel) or membership_state_on_host(state)):
-        return ("scale-down needs the per-pass rank agreement, which rides on the DP-attention "
-                "gather: start with --enable-dp-attention (and without "
-                "SGLANG_SCHEDULER_SKIP_ALL_GATHER)")
     if new_ep_size < 1:
         return f"new_ep_size must be at least 1, got {new_ep_size}"
     replica = attn_replica_size()

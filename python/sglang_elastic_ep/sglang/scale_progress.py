@@ -38,11 +38,7 @@ from sglang_elastic_ep.sglang.pass_progress import (
 )
 from sglang_elastic_ep.sglang.scale_down import call_off_scale_down, finalize_scale_down
 from sglang_elastic_ep.sglang.scale_up import abort_pending_scale, scale_up_machine, settle
-from sglang_elastic_ep.sglang.upstream import (
-    elastic_state,
-    lockstep_agreement_on,
-    membership_state_on_host,
-)
+from sglang_elastic_ep.sglang.upstream import elastic_state, lockstep_agreement_on
 from sglang_elastic_ep.sglang.world_view import world_quiesce
 
 logger = get_logger(__name__)
@@ -65,17 +61,13 @@ def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwarg
     state = elastic_state()
     if not lockstep_agreement_on(state, get_parallel()):
         return
-    gathered = gather_agreement(state).mark_iteration()
+    gather_agreement(state).mark_iteration()
     has_batch = getattr(plan, "batch_to_run", None) is not None
     progress = pass_progress(state) or start_pass_progress(state, scheduler)
     if progress is not None:
         progress.now_in("forward" if has_batch else "idle")
     if has_batch:
         return  # the forward pass calls maybe_join_ep_ranks itself
-    if not gathered and not membership_state_on_host(state):
-        # No gather made "no batch" the same on every rank, and the all-reduce fallback is
-        # for host memory only: upstream's behaviour (no step on idle passes).
-        return
     # Called on every idle iteration (not only when this rank sees a scale): the verdict of
     # this iteration's gather is taken here, and every rank must act on it on the same pass.
     worker = getattr(scheduler, "tp_worker", None)
@@ -138,9 +130,6 @@ def agreed_join_step(original: Any, runner: Any) -> None:
             # Another forward in the same iteration (a draft model's): this pass's verdict
             # was acted on; only upstream's per-pass step runs again, as it did before.
             return original(runner) if repeat is LockstepVerdict.NOTHING_PENDING else None
-        if not membership_state_on_host(state):
-            # No gather on this pass, and the all-reduce fallback is for host memory only.
-            return original(runner)
         agreed = agree_by_all_reduce(state, runner)
         source = "all-reduce"
     else:

@@ -79,21 +79,13 @@ def attached_state(owner: Any, attr: str, factory: Callable[[], T]) -> T:
     return found
 
 
-def membership_state_on_host(state: Any) -> bool:
-    """Whether upstream keeps the membership state in host memory (the CPU engine). Only there
-    may a pass that runs no DP gather agree by its own all-reduce (a host collective); on GPUs
-    that would add a device collective and a host sync, so such passes keep upstream's step."""
-    return state.active_ranks.device.type == "cpu"
+def world_host_group() -> Any:
+    """WORLD's host-memory process group (``GroupCoordinator.cpu_group`` of SGLang's world
+    group; ``mooncake-cpu`` on an elastic server, extended by upstream on every join). A
+    collective over it moves host tensors only, on every device: no kernel, no host sync."""
+    from sglang.srt.distributed.parallel_state import get_world_group
 
-
-def dp_gather_every_pass(parallel: Any) -> bool:
-    """Whether every scheduler pass runs the DP-attention gather that carries the agreement
-    (attention DP on, and not turned off with ``SGLANG_SCHEDULER_SKIP_ALL_GATHER``)."""
-    if not parallel.attn_dp_enabled:
-        return False
-    from sglang.srt.environ import envs
-
-    return not envs.SGLANG_SCHEDULER_SKIP_ALL_GATHER.get()
+    return get_world_group().cpu_group
 
 
 def scale_timeout_s() -> float:
