@@ -11,6 +11,7 @@ Writes docs/benchmarks.md section ``elastic_overhead``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -27,12 +28,15 @@ from _scenario import WARM_UP_S  # noqa: E402
 
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.procs import py_spy  # noqa: E402
+from sglang_elastic_ep_testbed.cpu.idle import ENV_SPINNERS_IDLE_CLASS  # noqa: E402
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
 
 CONFIGS: dict[str, dict] = {
     "elastic off": dict(elastic=False, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
     "mooncake, --max-ep-size 4": dict(elastic=True, max_ep_size=4, extra_args=[]),
     "mooncake": dict(elastic=True, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
+    "mooncake, --max-ep-size 4, worker not in SCHED_IDLE": dict(
+        elastic=True, max_ep_size=4, extra_args=[], env={ENV_SPINNERS_IDLE_CLASS: "0"}),
 }
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "barrier", "reduce_scatter",
                "all_to_all", "gather", "scatter", "send", "recv")
@@ -102,8 +106,23 @@ def cpu_shares(pid: int, before: dict[int, float], seconds: float) -> dict[str, 
 
 
 def measure(name: str, measure_s: float) -> dict:
+    config = dict(CONFIGS[name])
+    env = config.pop("env", {})
     spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=2, moe_a2a_backend="nixl",
-                       **CONFIGS[name])
+                       **config)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # the servers inherit this process's environment
+    try:
+        return measure_cluster(spec, measure_s)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def measure_cluster(spec: ClusterSpec, measure_s: float) -> dict:
     with LocalCluster(spec) as cluster:
         load = LoadClient(cluster.url, concurrency=2, max_new_tokens=16).start()
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 import time
@@ -142,3 +143,24 @@ def test_a_search_cut_short_by_a_request_finds_nothing(spinner: int) -> None:
     """The search waits on the request sockets; a request that ends it early wins."""
     assert find_spinning_native_threads(window_s=0.1, wait=lambda s: None) == []
     wait_found_spinning(spinner)
+
+
+def test_a_found_spinner_is_put_in_the_idle_class_and_a_gone_one_skipped(spinner: int) -> None:
+    from sglang_elastic_ep_testbed.cpu import idle
+
+    assert os.sched_getscheduler(spinner) == os.SCHED_OTHER
+    gone = 2**22 + 12345  # above pid_max's default: no such thread
+    assert idle.lower_to_idle_class([gone, spinner]) == [spinner]
+    assert os.sched_getscheduler(spinner) == os.SCHED_IDLE
+
+
+def test_the_idle_class_setting_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep_testbed.cpu import idle
+
+    monkeypatch.delenv(idle.ENV_SPINNERS_IDLE_CLASS, raising=False)
+    assert idle.spinners_idle_class_enabled()
+    monkeypatch.setenv(idle.ENV_SPINNERS_IDLE_CLASS, "0")
+    assert not idle.spinners_idle_class_enabled()
+    monkeypatch.setenv(idle.ENV_SPINNERS_IDLE_CLASS, "sometimes")
+    with pytest.raises(ValueError, match="SGLANG_EEP_SPINNERS_IDLE_CLASS"):
+        idle.spinners_idle_class_enabled()

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 ENV_IDLE_POLL_MS = "SGLANG_EEP_IDLE_POLL_MS"
 ENV_PARK_SPINNERS = "SGLANG_EEP_IDLE_PARK_SPINNERS"
 ENV_THREAD_PARK_LIB = "SGLANG_EEP_THREAD_PARK_LIB"
+ENV_SPINNERS_IDLE_CLASS = "SGLANG_EEP_SPINNERS_IDLE_CLASS"
 # Every idle pass still runs the DP token-count all-gather (and the membership agreement) over
 # Mooncake, whose waiters spin: an idle 2-rank elastic cluster burns 1.4 of the 2 cores at 5 ms,
 # 0.5 at 50 ms, and a joiner starting beside it gets the rest. The first request of an idle
@@ -68,6 +69,30 @@ def park_spinners_enabled() -> bool:
     if raw not in {"0", "1", "false", "true", "no", "yes"}:
         raise ValueError(f"{ENV_PARK_SPINNERS} must be 0 or 1, got {raw!r}")
     return raw in {"1", "true", "yes"}
+
+
+def spinners_idle_class_enabled() -> bool:
+    """On by default: the spinning native threads found (Mooncake's worker) run in Linux's
+    ``SCHED_IDLE`` class, so under load they take only CPU no normal thread wants. Their
+    owner's main thread sleeps on the collective's future while the worker drives it, so the
+    worker still gets a core at once whenever its own scheduler waits on it; it no longer
+    takes half a core from the schedulers while they compute."""
+    raw = os.environ.get(ENV_SPINNERS_IDLE_CLASS, "1").strip().lower()
+    if raw not in {"0", "1", "false", "true", "no", "yes"}:
+        raise ValueError(f"{ENV_SPINNERS_IDLE_CLASS} must be 0 or 1, got {raw!r}")
+    return raw in {"1", "true", "yes"}
+
+
+def lower_to_idle_class(tids: list[int]) -> list[int]:
+    """Put threads ``tids`` of this process in ``SCHED_IDLE``; the ones it was done for."""
+    lowered = []
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # the thread exited
+            continue
+        lowered.append(tid)
+    return lowered
 
 
 def thread_park_library_path() -> Path:
@@ -196,6 +221,9 @@ class ShortPollIdleSleeper:
                 parker.tids.extend(found)
                 parker.park()
                 logger.info("idle: parking native spinning threads %s while idle", parker.tids)
+                if spinners_idle_class_enabled():
+                    logger.info("idle: native spinning threads %s run in SCHED_IDLE",
+                                lower_to_idle_class(found))
             return
         self.wait_on_sockets(self.timeout_ms / 1000)
 
