@@ -104,6 +104,18 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.scale_progress:agreed_join_step", "AROUND",
          "rank agreement: enter membership collectives only on the pass the gathered verdict "
          "says every rank is ready for the same change"),
+    Hook(f"{S}managers.tp_worker.TpModelWorker.forward_batch_generation",
+         "sglang.pass_faults:forward_watched", "AROUND",
+         "a peer that dies inside a forward leaves that forward's tokens and KV wrong (routing "
+         "avoids it only from the next one): flag the pass, with no host sync"),
+    Hook(f"{S}managers.scheduler_components.batch_result_processor."
+         "SchedulerBatchResultProcessor.process_batch_result_prefill",
+         "sglang.pass_faults:end_requests_of_a_faulted_pass", "AROUND",
+         "a flagged pass's requests end with 503 and stay out of the prefix cache"),
+    Hook(f"{S}managers.scheduler_components.batch_result_processor."
+         "SchedulerBatchResultProcessor.process_batch_result_decode",
+         "sglang.pass_faults:end_requests_of_a_faulted_pass", "AROUND",
+         "a flagged pass's requests end with 503 and stay out of the prefix cache"),
     Hook(f"{S}managers.scheduler.Scheduler.get_next_batch_to_run",
          "sglang.scale_progress:progress_membership_when_idle", "AFTER",
          "upstream advances a scale only after forward passes; idle servers never did. Here, not"

@@ -31,6 +31,7 @@ from sglang_elastic_ep.sglang.gather_agreement import (
 from sglang_elastic_ep.sglang.join_kind import note_join, slot_history
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import end_when_settled, get_logger
+from sglang_elastic_ep.sglang.pass_faults import model_forward_done
 from sglang_elastic_ep.sglang.pass_progress import (
     enter_step,
     pass_progress,
@@ -119,6 +120,8 @@ def agreed_join_step(original: Any, runner: Any) -> None:
 
     state = elastic_state()
     if state is not None:
+        # Before any membership step of this pass: ranks it retires on purpose are no fault.
+        model_forward_done(state)
         end_when_settled(state)
     if not lockstep_agreement_on(state, get_parallel()):
         return original(runner)

@@ -21,6 +21,11 @@ DEFAULT_PROMPTS = (
 )
 
 
+# What the server's 503s for a fault say: the request's own shard died (the tokenizer's
+# LOST_WITH_SHARD), or a peer rank died during its forward (pass_faults).
+LOST_TO_A_FAULT = ("failed before it finished", "failed during this request's forward pass")
+
+
 @dataclass
 class RequestResult:
     prompt: str
@@ -34,6 +39,12 @@ class RequestResult:
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
+
+    @property
+    def lost_to_a_fault(self) -> bool:
+        """Ended with 503 by a rank's failure, as the server promises: the shard running it
+        died, or a peer died during its forward on a live shard."""
+        return self.status == 503 and any(m in (self.error or "") for m in LOST_TO_A_FAULT)
 
 
 def generate(
