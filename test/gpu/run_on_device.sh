@@ -31,7 +31,7 @@ triton.__version__)'"
 step gpu_tests 400 python3 -m pytest -q -rs -s -p no:cacheprovider \
   test/unit/test_nixl_membership.py test/unit/test_expert_select_reference.py \
   test/gpu/test_expert_select_kernel.py test/gpu/test_active_ranks_no_sync.py \
-  test/gpu/test_agreement_adds_no_sync.py test/gpu/test_gather_repair_on_device.py test/gpu/test_pass_faults_on_device.py test/unit/test_pass_faults.py "test/unit/test_gather_agreement.py::test_the_columns_ride_in_the_row_and_come_back_from_the_host_copy" \
+  test/gpu/test_agreement_adds_no_sync.py test/gpu/test_gather_repair_on_device.py test/gpu/test_pass_faults_on_device.py "test/unit/test_gather_agreement.py::test_the_columns_ride_in_the_row_and_come_back_from_the_host_copy" \
   "test/unit/test_gather_agreement.py::test_rows_of_every_attention_tp_rank_are_read_not_only_tp0" \
   "test/unit/test_gather_agreement.py::test_the_same_verdicts_come_out_on_every_device"
 step bench 300 python3 benchmark/bench_expert_select.py
