@@ -12,13 +12,12 @@ scale-down machine acting on the verdict) touching no device at all (``"error"``
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from cuda_syncs import count_syncs
 from dp_gather_rows import Info
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind
@@ -28,19 +27,6 @@ from sglang_elastic_ep.sglang import expert_health, gather_agreement, tail_recov
 from sglang_elastic_ep.sglang.gather_agreement import gather_agreement as agreement_of
 
 RANKS = 3
-
-
-def count_syncs(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """How many synchronizing CUDA calls ``fn`` made, and what it returned."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught), result
 
 
 @pytest.fixture

@@ -17,8 +17,7 @@ twin CI runs.
 from __future__ import annotations
 
 import sys
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 import mooncake_gather_workers as W  # noqa: E402
+from cuda_syncs import count_syncs  # noqa: E402
 
 from sglang_elastic_ep.controller.launchers.ports import free_port  # noqa: E402
 from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind  # noqa: E402
@@ -56,19 +56,6 @@ def groups() -> Iterator[dict[str, Any]]:
 def device_case(device: str, request: pytest.FixtureRequest) -> None:
     if device == "cuda":
         request.getfixturevalue("cuda")  # skips, with the reason printed, without a GPU
-
-
-def count_syncs(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """How many synchronizing CUDA calls ``fn`` made, and what it returned."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught), result
 
 
 def sent_rows(device: str) -> torch.Tensor:

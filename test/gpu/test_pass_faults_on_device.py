@@ -8,29 +8,13 @@ flag must be on the host once the forward's own result copy is (``copy_done``), 
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
+from cuda_syncs import count_syncs
 
 from sglang_elastic_ep.sglang import pass_faults
-
-
-def count_syncs(fn: Callable[[], Any]) -> tuple[int, Any]:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # The first set_sync_debug_mode call also warns that the mode is a prototype: not a sync.
-    return sum("synchroniz" in str(w.message) and "prototype" not in str(w.message)
-               for w in caught), result
 
 
 class Req:
