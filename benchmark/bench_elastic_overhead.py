@@ -33,10 +33,10 @@ from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model  
 
 CONFIGS: dict[str, dict] = {
     "elastic off": dict(elastic=False, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
-    "mooncake, --max-ep-size 4": dict(elastic=True, max_ep_size=4, extra_args=[]),
+    "mooncake, --max-ep-size 4, worker in SCHED_IDLE": dict(
+        elastic=True, max_ep_size=4, extra_args=[], env={ENV_SPINNERS_IDLE_CLASS: "1"}),
     "mooncake": dict(elastic=True, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
-    "mooncake, --max-ep-size 4, worker not in SCHED_IDLE": dict(
-        elastic=True, max_ep_size=4, extra_args=[], env={ENV_SPINNERS_IDLE_CLASS: "0"}),
+    "mooncake, --max-ep-size 4": dict(elastic=True, max_ep_size=4, extra_args=[]),
 }
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "barrier", "reduce_scatter",
                "all_to_all", "gather", "scatter", "send", "recv")

@@ -158,9 +158,9 @@ def test_the_idle_class_setting_rejects_bad_values(monkeypatch: pytest.MonkeyPat
     from sglang_elastic_ep_testbed.cpu import idle
 
     monkeypatch.delenv(idle.ENV_SPINNERS_IDLE_CLASS, raising=False)
+    assert not idle.spinners_idle_class_enabled()  # opt-in
+    monkeypatch.setenv(idle.ENV_SPINNERS_IDLE_CLASS, "1")
     assert idle.spinners_idle_class_enabled()
-    monkeypatch.setenv(idle.ENV_SPINNERS_IDLE_CLASS, "0")
-    assert not idle.spinners_idle_class_enabled()
     monkeypatch.setenv(idle.ENV_SPINNERS_IDLE_CLASS, "sometimes")
     with pytest.raises(ValueError, match="SGLANG_EEP_SPINNERS_IDLE_CLASS"):
         idle.spinners_idle_class_enabled()

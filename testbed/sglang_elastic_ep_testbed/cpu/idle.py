@@ -72,12 +72,13 @@ def park_spinners_enabled() -> bool:
 
 
 def spinners_idle_class_enabled() -> bool:
-    """On by default: the spinning native threads found (Mooncake's worker) run in Linux's
-    ``SCHED_IDLE`` class, so under load they take only CPU no normal thread wants. Their
-    owner's main thread sleeps on the collective's future while the worker drives it, so the
-    worker still gets a core at once whenever its own scheduler waits on it; it no longer
-    takes half a core from the schedulers while they compute."""
-    raw = os.environ.get(ENV_SPINNERS_IDLE_CLASS, "1").strip().lower()
+    """Off by default (``SGLANG_EEP_SPINNERS_IDLE_CLASS=1`` turns it on): the spinning native
+    threads found (Mooncake's worker) then run in Linux's ``SCHED_IDLE`` class, so under load
+    they take only CPU no normal thread wants instead of half a core from the schedulers
+    (docs/benchmarks.md, "The cost of elastic mode"). Not the default: in the one CI run with
+    it on, three ranks on two cores stalled in the CPU data plane for 30 s right after a
+    replacement joined (docs/cpu-testbed.md), a starved worker is the suspect."""
+    raw = os.environ.get(ENV_SPINNERS_IDLE_CLASS, "0").strip().lower()
     if raw not in {"0", "1", "false", "true", "no", "yes"}:
         raise ValueError(f"{ENV_SPINNERS_IDLE_CLASS} must be 0 or 1, got {raw!r}")
     return raw in {"1", "true", "yes"}
