@@ -134,3 +134,9 @@ def test_the_testbed_tells_both_fault_503s_by_their_messages() -> None:
         assert any(phrase in message for phrase in LOST_TO_A_FAULT)
     assert not RequestResult("p", 0.0, 1.0, 503, error="drain timed out").lost_to_a_fault
     assert not RequestResult("p", 0.0, 1.0, 500, error=PEER_FAILED_DURING_FORWARD).lost_to_a_fault
+
+
+def test_a_kill_may_cost_each_client_its_request_and_the_next() -> None:
+    from sglang_elastic_ep_testbed.cluster.load import most_lost_to_a_kill
+
+    assert [most_lost_to_a_kill(c) for c in (1, 2, 6)] == [2, 4, 12]

@@ -26,6 +26,14 @@ DEFAULT_PROMPTS = (
 LOST_TO_A_FAULT = ("failed before it finished", "failed during this request's forward pass")
 
 
+def most_lost_to_a_kill(concurrency: int) -> int:
+    """How many requests one kill may cost a load of ``concurrency`` clients: each client's
+    request in flight at the kill, and each client's next one, sent before every survivor's
+    data plane had masked the dead rank (a survivor whose last pass was idle masks it only in
+    its next MoE forward, which then ran without it and is ended too)."""
+    return 2 * concurrency
+
+
 @dataclass
 class RequestResult:
     prompt: str
