@@ -77,7 +77,7 @@ def spinners_idle_class_enabled() -> bool:
     they take only CPU no normal thread wants instead of half a core from the schedulers
     (docs/benchmarks.md, "The cost of elastic mode"). Not the default: in the one CI run with
     it on, three ranks on two cores stalled in the CPU data plane for 30 s right after a
-    replacement joined (docs/cpu-testbed.md), a starved worker is the suspect."""
+    replacement joined (docs/cpu-testbed.md); a starved worker is the suspect."""
     raw = os.environ.get(ENV_SPINNERS_IDLE_CLASS, "0").strip().lower()
     if raw not in {"0", "1", "false", "true", "no", "yes"}:
         raise ValueError(f"{ENV_SPINNERS_IDLE_CLASS} must be 0 or 1, got {raw!r}")
