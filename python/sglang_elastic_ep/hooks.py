@@ -48,6 +48,10 @@ HOOKS: tuple[Hook, ...] = (
          "adds --ep-join-mode, --elastic-ep-drain-timeout and the Mooncake timeout flags"),
     Hook(f"{S}server_args.ServerArgs.from_cli_args", "sglang.args:from_cli_args", "AFTER",
          "copies our flags onto ServerArgs and resolves --ep-join-mode vs --elastic-ep-join-mode"),
+    Hook(f"{S}arg_groups.parallel_hook.handle_elastic_ep", "sglang.args:check_elastic_ep_args",
+         "AROUND",
+         "upstream refuses a joiner below the launch size; one refilling a slot a scale-down "
+         "released appends at its offset like any joiner"),
     # --- NIXL data plane (sglang/nixl_buffer_hooks.py; each is upstream's own without elastic EP)
     Hook(f"{NIXL}.on_scale", "sglang.nixl_buffer_hooks:hook_nixl_on_scale", "AROUND",
          "record the target size only; connect/disconnect happen at the next dispatch, in order"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_elastic_ep.core.phases import Phase
-from sglang_elastic_ep.sglang import launch_recovery
+from sglang_elastic_ep.sglang import launch_recovery, replica_loading
 
 
 def survivor(mask: list[int], *, effective: int = 3, launch: int = 2, scaled: bool = True,
@@ -130,15 +130,14 @@ def test_a_replacement_reloads_its_experts_only_when_its_slots_changed(
                              weight_updater=SimpleNamespace(
                                  update_weights_from_disk=update_weights_from_disk))
     now = [[0, 1, 2, 3]]
-    monkeypatch.setattr(launch_recovery, "own_slots", lambda rank: now)
-    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {}))
-    launch_recovery.reload_moved_experts(runner, [[0, 1, 2, 3]])
+    monkeypatch.setattr(replica_loading, "own_slots", lambda rank: now)
+    replica_loading.reload_moved_experts(runner, 1, [[0, 1, 2, 3]])
     assert loads == []  # the survivors' map kept its slots: nothing to load
-    launch_recovery.reload_moved_experts(runner, [[0, 1, 3, 2]])
+    replica_loading.reload_moved_experts(runner, 1, [[0, 1, 3, 2]])
     assert loads == [("/models/m", "auto", ["model.layers.0.mlp.experts.3.w1.weight"])]
     ok.value = False
     with pytest.raises(RuntimeError, match="2 moved slots failed: disk unreadable"):
-        launch_recovery.reload_moved_experts(runner, [[0, 1, 3, 2]])
+        replica_loading.reload_moved_experts(runner, 1, [[0, 1, 3, 2]])
 
 
 def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
@@ -207,7 +206,7 @@ def test_the_replacement_machine_follows_its_rejoin_and_the_reload(
     monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {}))
     monkeypatch.setattr(launch_recovery, "own_slots", lambda rank: next(slots))
     monkeypatch.setattr(launch_recovery, "reload_moved_experts",
-                        lambda runner, loaded: reloads.append(
+                        lambda runner, rank, loaded: reloads.append(
                             (loaded, launch_recovery.replacement_machine(state).phase)))
 
     def rejoin(runner: Any) -> str:

@@ -23,8 +23,11 @@ def joiner_process(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(scale_up_joiner, "elastic_state", lambda: state)
     monkeypatch.setattr(runtime_context, "get_exec", lambda: SimpleNamespace(moe=moe))
     monkeypatch.setattr(runtime_context, "get_parallel",
-                        lambda: SimpleNamespace(ep_join_rank_offset=2, tp_size=1))
+                        lambda: SimpleNamespace(ep_join_rank_offset=2, tp_size=1, tp_rank=0))
     return moe
+
+
+RUNNER = SimpleNamespace(_elastic_global_rank=lambda: 2)
 
 
 def phase() -> str:
@@ -37,7 +40,7 @@ def test_each_step_of_the_start_up_moves_the_joiner_on(joiner_process: SimpleNam
     join_world(lambda: steps.append(f"in join_group: {phase()}"))
     steps.append(f"after admission: {phase()}")
     commit_joining(lambda runner, size: steps.append(f"barrier for {size}: {phase()}"),
-                   SimpleNamespace(), 3)
+                   RUNNER, 3)
     assert steps == ["in join_group: pending", "after admission: joining",
                      "barrier for 3: syncing_new_world"]
     machine = joiner_machine()
@@ -65,7 +68,7 @@ def test_a_failed_commit_barrier_fails_the_admitted_joiner(
         raise RuntimeError("barrier peer gone")
 
     with pytest.raises(RuntimeError, match="barrier peer gone"):
-        commit_joining(barrier, SimpleNamespace(), 3)
+        commit_joining(barrier, RUNNER, 3)
     machine = joiner_machine()
     assert machine is not None and machine.phase is Phase.FAILED
     assert Phase.JOINING in machine.seconds_in_phases()
@@ -77,4 +80,23 @@ def test_a_process_that_is_not_a_scale_joiner_gets_no_machine(
     assert join_world(lambda: "joined") == "joined"
     assert joiner_machine() is None
     # Without a machine the commit hook passes straight through.
-    assert commit_joining(lambda runner, size: size, SimpleNamespace(), 3) == 3
+    assert commit_joining(lambda runner, size: size, RUNNER, 3) == 3
+
+
+def test_a_joiner_reloads_its_experts_when_the_serving_ranks_map_moved_them(
+        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaded for its start-up layout (e.g. the launch placement of a released launch slot),
+    served with the map the serving ranks broadcast: reloaded before the barrier."""
+    maps = {"start-up": [[12, 13, 4, 5]], "broadcast": [[0, 1, 2, 3]]}
+    current = ["start-up"]
+    steps: list[Any] = []
+    monkeypatch.setattr(scale_up_joiner, "own_slots", lambda rank: maps[current[0]])
+    monkeypatch.setattr(scale_up_joiner, "reload_moved_experts",
+                        lambda runner, rank, loaded: steps.append(("reload", rank, loaded)))
+
+    def join_group() -> None:
+        current[0] = "broadcast"  # the map arrives after the admission
+
+    join_world(join_group)
+    commit_joining(lambda runner, size: steps.append(("barrier", size)), RUNNER, 3)
+    assert steps == [("reload", 2, [[12, 13, 4, 5]]), ("barrier", 3)]

@@ -11,7 +11,10 @@ from torch.distributed import TCPStore
 
 from sglang_elastic_ep.sglang.world_registration import (
     joiner_world_size,
+    launch_group_size,
+    lower_launch_group_size,
     raise_world_high_water,
+    read_launch_group_size,
     read_world_high_water,
     rendezvous_store,
 )
@@ -92,3 +95,18 @@ def test_the_hook_leaves_launch_ranks_alone(monkeypatch: pytest.MonkeyPatch, sto
     raise_world_high_water(store, 4)
     assert _register(monkeypatch, store, joiner=False, asked=2) == 2
 
+
+
+def test_the_launch_group_is_the_launch_size_until_a_release_is_recorded() -> None:
+    assert launch_group_size(3, None) == 3
+    assert launch_group_size(3, 2) == 2
+    assert launch_group_size(2, 3) == 2  # a record never widens it
+
+
+def test_the_launch_group_size_only_falls(store: TCPStore) -> None:
+    assert read_launch_group_size(store) is None
+    lower_launch_group_size(store, 3)
+    lower_launch_group_size(store, 2)
+    lower_launch_group_size(store, 3)  # a later scale-down to 3 cannot bring rank 2 back
+    assert read_launch_group_size(store) == 2
+    assert read_world_high_water(store) is None  # the two records are apart

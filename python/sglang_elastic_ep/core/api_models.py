@@ -181,7 +181,6 @@ class RejectionReason(str, enum.Enum):
     TOO_FEW_EXPERT_SLOTS = "too_few_expert_slots"
     FAILED_RANKS_PRESENT = "failed_ranks_present"
     MUST_REMOVE_FAILED_RANKS = "must_remove_failed_ranks"
-    RELEASED_LAUNCH_SLOTS = "released_launch_slots"
     UNKNOWN_RANKS = "unknown_ranks"
     RANK_ZERO = "rank_zero"
     NOT_THE_TAIL = "not_the_tail"

@@ -397,12 +397,13 @@ class ElasticController:
             target = verdict.target
             floor = self.config.first_own_rank
             if target < size and target < floor:
-                # Launch-time slots cannot be refilled once released (joiners only take
-                # slots past the launch size): never shrink below them. (The policy shrinks
-                # one step at a time and the launch size is whole steps, so this is at it.)
+                # Ranks below the launch size are `sglang serve`'s processes, which this
+                # controller neither launches nor terminates: it never shrinks below them.
+                # (The policy shrinks one step at a time and the launch size is whole steps,
+                # so this is at it.)
                 holds.append(Hold(
-                    f"{verdict.reason}, but ranks below --launch-size {floor} cannot come "
-                    f"back once released: staying at {size}", verdict.inputs,
+                    f"{verdict.reason}, but ranks below --launch-size {floor} belong to "
+                    f"`sglang serve`, not to this controller: staying at {size}", verdict.inputs,
                 ))
                 return Decision(tuple(actions), tuple(holds))
             purpose = Purpose.GROW if target > size else Purpose.SHRINK

@@ -10,10 +10,8 @@ Decisions:
 - While a rank inside the current size has failed, scale-up is refused (409), and the only
   scale-down allowed is the one that removes exactly the failed ranks (so they must be the
   tail); anything else would mix cleanup and resizing in one operation.
-- Joiners take slots past the launch size only (upstream appends their expert slots to the
-  launch layout and asserts ``--elastic-ep-initial-size <= --elastic-ep-join-rank-offset``):
-  a scale-down below the launch size is allowed and says so, and a scale-up back into the
-  released launch-time slots is refused (409) with the way back, a restart.
+- A scale-down below the launch size releases launch-time slots and says so: a later
+  scale-up refills them with scale joiners at those offsets, as for any other slot.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ class ScaleTopology:
     attn_replica_size: int = 1  # attn_tp_size * attn_cp_size: ranks per attention replica
     num_logical_experts: int | None = None
     slots_per_rank: int | None = None  # physical expert slots per rank, fixed at launch
-    launch_size: int | None = None  # ranks at launch; joiners only take slots past it
+    launch_size: int | None = None  # ranks at launch: a shrink below it releases launch-time slots
 
     def __post_init__(self) -> None:
         if self.max_ep_size < 1 or self.attn_replica_size < 1:
@@ -218,16 +216,6 @@ def _judge(
             f"remove exactly them, and ranks leave from the tail: {fix}",
         )
 
-    launch = topology.launch_size
-    if target > current_size and launch is not None and current_size < launch:
-        released = range(current_size, min(target, launch))
-        return _refuse(
-            HTTPStatus.CONFLICT,
-            RejectionReason.RELEASED_LAUNCH_SLOTS,
-            f"rank(s) {_ranks(released)} are launch-time slots released by a scale-down; a "
-            f"joiner can only take slots past the launch size ({launch}), so growing back to "
-            f"{target} needs a restart of the deployment at that size",
-        )
     if target > current_size:
         joining = tuple(range(current_size, target))
         return ScaleVerdict(
@@ -238,10 +226,11 @@ def _judge(
             joining_ranks=joining,
         )
     leaving = tuple(range(target, current_size))
+    launch = topology.launch_size
     one_way = ""
     if launch is not None and target < launch:
         one_way = (f"; ranks {_ranks(range(target, min(current_size, launch)))} are launch-time"
-                   " slots: growing back into them will need a restart")
+                   " slots: they come back as scale joiners at their own offsets")
     return ScaleVerdict(
         ok=True,
         status=int(HTTPStatus.OK),

@@ -193,6 +193,37 @@ def reserve_room_to_grow(server_args: Any) -> None:
     server_args.max_ep_size = int(declared) + max(1, replica)
 
 
+def joins_a_released_launch_slot(join_mode: str | None, join_rank_offset: int,
+                                 initial_size: int | None) -> bool:
+    """A scale joiner whose slots lie inside the launch size: they were launch-time slots a
+    scale-down released (the primary admits a joiner only at its current size)."""
+    return join_mode == "scale" and initial_size is not None and join_rank_offset < initial_size
+
+
+def check_elastic_ep_args(original: Any, server_args: Any) -> Any:
+    """AROUND ``parallel_hook.handle_elastic_ep``: upstream refuses a scale joiner whose offset
+    is below ``--elastic-ep-initial-size``, because it assumes joiners only append past the
+    launch layout. After a scale-down below the launch size the expert map ends at the
+    current size, so a joiner into a released launch slot appends at its own offset like any
+    other: upstream's checks run with the launch size declared equal to the offset, and the
+    real launch size (which fixes the slots per rank) is declared again after them."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    cfg = resolving_view(server_args)
+    launch = cfg.elastic_ep_initial_size
+    offset = int(cfg.ep_join_rank_offset or 0)
+    if not joins_a_released_launch_slot(cfg.ep_join_mode, offset, launch):
+        return original(server_args)
+    declare_resolution(server_args, "sglang_elastic_ep.released_launch_slot",
+                       elastic_ep_initial_size=offset)
+    try:
+        return original(server_args)
+    finally:
+        declare_resolution(server_args, "sglang_elastic_ep.released_launch_slot",
+                           elastic_ep_initial_size=launch)
+
+
 def fault_window_too_short(collective_timeout: float | None, fault_window: float | None
                            ) -> str | None:
     """Why the fault window given is too short for the collective timeout given, or None.

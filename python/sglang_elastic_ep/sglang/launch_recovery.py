@@ -37,6 +37,7 @@ from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
     recover_ranks,
 )
 from sglang_elastic_ep.sglang.operation_log import get_logger
+from sglang_elastic_ep.sglang.replica_loading import own_slots, reload_moved_experts
 from sglang_elastic_ep.sglang.start_up_steps import breakdown, run_step
 from sglang_elastic_ep.sglang.tail_recovery import (
     await_the_tail_with_the_survivors,
@@ -49,6 +50,7 @@ from sglang_elastic_ep.sglang.upstream import (
     expert_location_metadata,
     state_manager,
 )
+from sglang_elastic_ep.sglang.world_registration import adopt_launch_group_size
 
 logger = get_logger(__name__)
 
@@ -144,7 +146,7 @@ def rejoin_then_reload_moved_experts(original: Callable[[Any], Any], runner: Any
     loaded = own_slots(rank)
     result = run_step(machine, who, original, runner)
     machine.taken_back(time.monotonic())
-    run_step(machine, who, reload_moved_experts, runner, loaded)
+    run_step(machine, who, reload_moved_experts, runner, rank, loaded)
     machine.serving(time.monotonic())
     logger.info("[elastic-ep] %s serves again; its rejoin: %s", who, breakdown(machine))
     return result
@@ -160,36 +162,6 @@ _REPLACEMENT_ATTR = "_elastic_ep_replacement"
 
 def replacement_machine(state: Any) -> ReplacementMachine | None:
     return attached_state(state, _REPLACEMENT_ATTR, ReplacementState).machine
-
-
-def own_slots(rank: int) -> list[list[int]] | None:
-    """The logical expert of each of this rank's physical slots, per layer (None: no map)."""
-    metadata = expert_location_metadata()
-    if metadata is None:
-        return None
-    slots = int(metadata.num_local_physical_experts)
-    p2l = metadata.physical_to_logical_map
-    return p2l[:, rank * slots:(rank + 1) * slots].tolist()
-
-
-def reload_moved_experts(runner: Any, loaded: list[list[int]] | None) -> None:
-    """The replacement loaded its experts for the launch layout; an EPLB rebalance or a
-    scale-down's moves since may have put other experts in its slots. Then it loads its
-    experts again from the checkpoint, for the map the survivors broadcast (a local load,
-    before it serves)."""
-    now = own_slots(dist.get_rank())
-    if loaded is None or now is None or now == loaded:
-        return
-    changed = sum(a != b for old, new in zip(loaded, now, strict=True)
-                  for a, b in zip(old, new, strict=True))
-    config = runner.model_config
-    ok, message = runner.weight_updater.update_weights_from_disk(
-        config.model_path, runner.load_config.load_format,
-        weight_name_filter=lambda name: ".experts." in name)
-    if not ok:
-        raise RuntimeError(f"reloading the experts of {changed} moved slots failed: {message}")
-    logger.info("[elastic-ep] rank %d: %d of its expert slots hold other experts than at "
-                "launch: reloaded its experts from the checkpoint", dist.get_rank(), changed)
 
 
 def healthy_source_rank(original: Callable[..., int], *,
@@ -234,7 +206,9 @@ def take_on_serving_size(state: Any, serving: int) -> None:
     parallel = get_parallel()
     launch = int(parallel.elastic_ep_initial_size or parallel.tp_size)
     rank = dist.get_rank()
-    if serving == launch == int(state.effective_ep_size):
+    state.original_ep_size = launch
+    adopt_launch_group_size(state)  # lower when a scale-down released launch-time ranks
+    if serving == launch == int(state.effective_ep_size) == int(state.original_ep_size):
         return  # the deployment never scaled: upstream's recovery as it is
     metadata = expert_location_metadata()
     if metadata is not None:
@@ -247,7 +221,6 @@ def take_on_serving_size(state: Any, serving: int) -> None:
             dtype=metadata.physical_to_logical_map.dtype,
             device=metadata.physical_to_logical_map.device)
         get_context().override("elastic_ep.scale", ep_size=serving)
-    state.original_ep_size = launch
     state.effective_ep_size = serving
     state.has_scaled = True
     update_dp_attention_for_elastic_ep(physical_ep_size=serving, physical_ep_rank=rank)

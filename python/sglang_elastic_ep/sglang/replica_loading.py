@@ -7,13 +7,22 @@ same rank (``--init-expert-location``, a hand-made or recorded layout) leaves th
 unloaded, while the static dispatch table may send another rank's tokens to it. Outputs then
 depend on which replica a token meets, and change when a scale-up or a rebalance changes the
 tables. This hook loads the checkpoint expert into every local slot the full map gives it.
+
+A rank that loaded its experts for one map and then serves with another loads them again
+before it serves (``reload_moved_experts``): a replacement loaded them for the launch layout,
+a scale joiner for its own start-up layout (the launch placement, when
+``--init-expert-location`` covers its slots), and the map the serving ranks broadcast may put
+other experts there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import elastic_ep_enabled, expert_location_metadata
+
+logger = get_logger(__name__)
 
 
 def local_replica_slots(
@@ -57,3 +66,32 @@ def weight_loader_every_replica(
                                          weight_name=weight_name, shard_id=shard_id,
                                          expert_id=slot)
     return result
+
+
+def own_slots(rank: int) -> list[list[int]] | None:
+    """The logical expert of each of ``rank``'s physical slots, per layer (None: no map)."""
+    metadata = expert_location_metadata()
+    if metadata is None:
+        return None
+    slots = int(metadata.num_local_physical_experts)
+    p2l = metadata.physical_to_logical_map
+    return p2l[:, rank * slots:(rank + 1) * slots].tolist()
+
+
+def reload_moved_experts(runner: Any, rank: int, loaded: list[list[int]] | None) -> None:
+    """This rank loaded its experts for the map ``loaded`` describes; when the map now in place
+    (the one the serving ranks broadcast) puts other experts in its slots, load its experts
+    again from the checkpoint (a local load, before it serves)."""
+    now = own_slots(rank)
+    if loaded is None or now is None or now == loaded:
+        return
+    changed = sum(a != b for old, new in zip(loaded, now, strict=True)
+                  for a, b in zip(old, new, strict=True))
+    config = runner.model_config
+    ok, message = runner.weight_updater.update_weights_from_disk(
+        config.model_path, runner.load_config.load_format,
+        weight_name_filter=lambda name: ".experts." in name)
+    if not ok:
+        raise RuntimeError(f"reloading the experts of {changed} moved slots failed: {message}")
+    logger.info("[elastic-ep] rank %d: %d of its expert slots hold other experts than it "
+                "loaded: reloaded its experts from the checkpoint", rank, changed)

@@ -18,7 +18,7 @@ Order (RFC "Scale-Down Flow", vLLM's lesson that experts move before ranks leave
    and the NIXL data plane is told the new size (it disconnects at the next dispatch).
 4. A leaving rank then takes no further part in any collective. When every rank of its
    ``launch_server`` tree leaves (a scale-up joiner, a node above 0), it stops that server,
-   which exits 0; a rank whose server keeps other ranks (node 0's tree) parks.
+   which exits 0; a rank whose server keeps other ranks (node 0's tree) exits alone (0).
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@ stay valid), the tail becomes inactive, Mooncake deactivates it in WORLD, DP att
 and the NIXL data plane is told the new size (it disconnects at the next dispatch). A released
 rank then takes no further part in any collective: when every rank of its ``launch_server``
 tree leaves (a scale-up joiner, a node above 0), it stops that server, which exits 0; a rank
-whose server keeps other ranks (node 0's tree) parks.
+whose server keeps other ranks (node 0's tree) ends its own scheduler process with exit 0.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -27,6 +28,7 @@ from sglang_elastic_ep.sglang.expert_moves import move_experts_off_leaving_ranks
 from sglang_elastic_ep.sglang.join_kind import slot_history
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import expert_location_metadata, state_manager
+from sglang_elastic_ep.sglang.world_registration import release_launch_ranks
 from sglang_elastic_ep.sglang.world_view import world_quiesce
 
 logger = get_logger(__name__)
@@ -95,6 +97,8 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
     state.snapshot_active_to_last()
     state.sync_active_to_cpu()
     slot_history(state).release(leaving)  # their experts left the map: a rejoin is a scale-up
+    if staying:
+        release_launch_ranks(state, target, rank)
     world_quiesce(state).before_view_change("release", leaving)
     answer = deactivate_ranks(dist.group.WORLD, leaving)
     logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks(%s): %s, epoch %s", rank,
@@ -165,8 +169,11 @@ def first_rank_of_server(*, is_joiner: bool, join_offset: int, node_rank: int,
 
 def _leave(target: int) -> None:
     """A released rank takes part in no collective again. When every rank of its server
-    leaves (a scale-up joiner, a node above 0), the server is stopped with SIGTERM and exits 0;
-    otherwise (node 0's tree, or a server that keeps some ranks) the rank parks."""
+    leaves (a scale-up joiner, a node above 0), the server is stopped with SIGTERM and exits 0.
+    Otherwise (node 0's tree, or a server that keeps some ranks) only this scheduler process
+    exits 0: SGLang's subprocess watchdog lets a child that exited 0 go, and the exit frees the
+    rank's device and its seat in Mooncake (which refuses a joiner for a slot while the old
+    process still answers), so a scale-up can refill the slot."""
     from sglang.srt.runtime_context import get_exec, get_parallel
 
     parallel = get_parallel()
@@ -181,9 +188,11 @@ def _leave(target: int) -> None:
         parent = os.getppid()
         logger.info("[elastic-ep] every rank of this server leaves: stopping it (pid %d)", parent)
         threading.Timer(0.5, os.kill, (parent, signal.SIGTERM)).start()
-    else:
-        logger.info("[elastic-ep] this server keeps other ranks; the released rank parks until "
-                    "the server stops")
-    while True:  # never return to the event loop (its next pass would run a collective)
-        time.sleep(3600)
-
+        while True:  # never return to the event loop (its next pass would run a collective)
+            time.sleep(3600)
+    logger.info("[elastic-ep] this server keeps other ranks: the released rank's scheduler "
+                "process exits 0 (pid %d)", os.getpid())
+    logging.shutdown()
+    # No interpreter teardown: process-group destructors would talk to peers that no longer
+    # count this rank.
+    os._exit(0)

@@ -9,6 +9,13 @@ Here it asks for the larger of that and the largest WORLD so far, kept under one
 rendezvous store every rank of the deployment already uses (rank 0 hosts it), and raises that
 key once registered. The same code runs for the CUDA ``mooncake`` backend and the CPU
 testbed's ``mooncake-cpu``.
+
+The same store records how many ranks, from 0, are still in the launch-time groups. A
+scale-down below the launch size releases launch-time ranks for good: a joiner that refills
+one of their slots lives in WORLD alone, like any scale joiner. Every rank reads
+``state.original_ep_size`` as that boundary (upstream: whether ranks outside the launch-time
+groups serve; here: which failed ranks rejoin in place, which P2P lanes exist), so the staying
+ranks lower it at the release and each later joiner or replacement reads it from the store.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from sglang_elastic_ep.sglang.operation_log import get_logger
 logger = get_logger(__name__)
 
 WORLD_HIGH_WATER_KEY = "sglang_eep/world_high_water"
+# The number of ranks from 0 still in the launch-time groups (set when a scale-down releases
+# launch-time ranks; read by every later joiner and replacement).
+LAUNCH_GROUP_KEY = "sglang_eep/launch_group_size"
 STORE_TIMEOUT_S = 10.0
 
 
@@ -44,20 +54,46 @@ def joiner_world_size(asked: int, high_water: int | None) -> int:
 
 
 def read_world_high_water(store: KeyValueStore) -> int | None:
-    if not store.check([WORLD_HIGH_WATER_KEY]):
-        return None
-    return int(store.get(WORLD_HIGH_WATER_KEY).decode())
+    return _read_int(store, WORLD_HIGH_WATER_KEY)
 
 
 def raise_world_high_water(store: KeyValueStore, size: int) -> None:
     """Set the key to ``max(key, size)`` atomically (several joiners may register together)."""
-    desired = str(size).encode()
+    _move_int(store, WORLD_HIGH_WATER_KEY, size, lambda current: current >= size)
+
+
+def read_launch_group_size(store: KeyValueStore) -> int | None:
+    return _read_int(store, LAUNCH_GROUP_KEY)
+
+
+def lower_launch_group_size(store: KeyValueStore, size: int) -> None:
+    """Set the key to ``min(key, size)`` atomically."""
+    _move_int(store, LAUNCH_GROUP_KEY, size, lambda current: current <= size)
+
+
+def launch_group_size(launch_size: int, recorded: int | None) -> int:
+    """How many ranks, from 0, are still in the launch-time groups: the launch size, or fewer
+    once a scale-down released launch-time ranks (they come back only as scale joiners, which
+    live in WORLD alone)."""
+    return launch_size if recorded is None else min(launch_size, recorded)
+
+
+def _read_int(store: KeyValueStore, key: str) -> int | None:
+    if not store.check([key]):
+        return None
+    return int(store.get(key).decode())
+
+
+def _move_int(store: KeyValueStore, key: str, value: int,
+              holds: Callable[[int], bool]) -> None:
+    """Set ``key`` to ``value`` unless its current value already ``holds`` (compare-and-set)."""
+    desired = str(value).encode()
     while True:
-        current = read_world_high_water(store)
-        if current is not None and current >= size:
+        current = _read_int(store, key)
+        if current is not None and holds(current):
             return
         expected = b"" if current is None else str(current).encode()
-        if store.compare_set(WORLD_HIGH_WATER_KEY, expected, desired) == desired:
+        if store.compare_set(key, expected, desired) == desired:
             return
 
 
@@ -112,3 +148,28 @@ def init_distributed_environment(original: Callable[..., Any], *args: Any, **kwa
     raise_world_high_water(store, int(kwargs["world_size"]))
     return result
 
+
+
+def adopt_launch_group_size(state: Any) -> None:
+    """A joiner or a replacement: lower ``state.original_ep_size`` to the launch-time group's
+    size the deployment recorded (no record: no launch-time rank was released)."""
+    from sglang.srt.distributed.utils import get_global_tcp_store
+
+    store = get_global_tcp_store()
+    if store is not None:
+        state.original_ep_size = launch_group_size(int(state.original_ep_size),
+                                                   read_launch_group_size(store))
+
+
+def release_launch_ranks(state: Any, target: int, rank: int) -> None:
+    """Every staying rank on the commit of a scale-down to ``target``: launch-time ranks at or
+    above it leave the launch-time groups for good; rank 0 records it for later joiners."""
+    if target >= int(state.original_ep_size):
+        return
+    state.original_ep_size = target
+    if rank == 0:
+        from sglang.srt.distributed.utils import get_global_tcp_store
+
+        store = get_global_tcp_store()
+        if store is not None:
+            lower_launch_group_size(store, target)

@@ -547,12 +547,12 @@ def test_bad_controller_config_is_rejected(kwargs: dict[str, Any]) -> None:
 
 
 def test_a_quiet_cluster_never_shrinks_below_its_launch_ranks() -> None:
-    """Launch-time slots cannot be refilled once released: the shrink stops at --launch-size,
-    and at that size the controller holds and says why."""
+    """Ranks below --launch-size are `sglang serve`'s, not the controller's: the shrink stops
+    there, and at that size the controller holds and says why."""
     c = ElasticController(config(launch_size=4))
     decision = step(c, 100, status(5), load=QUIET)
     shrink = only(decision, ScaleTo)
     assert shrink.purpose is Purpose.SHRINK and shrink.target == 4, decision
     decision = step(ElasticController(config(launch_size=4)), 100, status(4), load=QUIET)
     assert decision.actions == ()
-    assert any("below --launch-size 4 cannot come back" in h.reason for h in decision.holds)
+    assert any("below --launch-size 4 belong to `sglang serve`" in h.reason for h in decision.holds)

@@ -103,16 +103,14 @@ def test_noop_is_allowed_even_with_failed_ranks() -> None:
     assert v.ok and v.direction is ScaleDirection.NOOP
 
 
-def test_growing_back_into_released_launch_slots_is_refused_with_the_way_back() -> None:
+def test_released_launch_slots_are_refilled_by_scale_joiners() -> None:
     topology = ScaleTopology(max_ep_size=3, launch_size=3)
     shrink = validate_scale(2, current_size=3, topology=topology)
     assert shrink.ok and shrink.leaving_ranks == (2,)
-    assert "ranks [2] are launch-time slots" in shrink.message and "restart" in shrink.message
+    assert "ranks [2] are launch-time slots" in shrink.message
+    assert "scale joiners at their own offsets" in shrink.message
     grow = validate_scale(3, current_size=2, topology=topology)
-    assert not grow.ok and grow.status == 409
-    assert grow.reason is RejectionReason.RELEASED_LAUNCH_SLOTS
-    assert "rank(s) [2] are launch-time slots" in grow.message
-    assert "restart of the deployment" in grow.message
+    assert grow.ok and grow.direction is ScaleDirection.UP and grow.joining_ranks == (2,)
 
 
 def test_slots_past_the_launch_size_come_and_go_freely() -> None:

@@ -211,7 +211,7 @@ class PlanRunner:
     def _recover(self, step: Step) -> None:
         launch = len(self.steps[0].active)
         for rank in step.ranks:
-            if rank < launch:
+            if rank < launch and rank not in self.joiners:  # a refilled launch slot is a joiner's
                 self.cluster.start_node(rank, recover=True)
             else:
                 self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
@@ -226,7 +226,7 @@ class PlanRunner:
         self._scale(len(step.active), f"plan-{step.index}-shrink")
         for rank in step.ranks:
             server = self._server_of(rank)
-            if server is None:  # a launch rank of the primary's own tree parks
+            if server is None:  # a launch rank of the primary's own tree ends its scheduler alone
                 continue
             code = server.wait_exit(SERVES_S)
             if code != 0:
