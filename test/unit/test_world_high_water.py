@@ -1,21 +1,25 @@
 """A scale joiner registers for the largest WORLD so far (sglang/world_registration.py, any
 device): Mooncake keeps WORLD's longest rank order after a scale-down and refuses a shorter
-registration."""
+registration. The same store carries how many ranks are still in the launch-time groups once
+a scale-down released launch-time ranks."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 from torch.distributed import TCPStore
 
 from sglang_elastic_ep.sglang.world_registration import (
+    adopt_launch_group_size,
     joiner_world_size,
     launch_group_size,
     lower_launch_group_size,
     raise_world_high_water,
     read_launch_group_size,
     read_world_high_water,
+    release_launch_ranks,
     rendezvous_store,
 )
 from sglang_elastic_ep_testbed.cluster.procs import free_port
@@ -110,3 +114,39 @@ def test_the_launch_group_size_only_falls(store: TCPStore) -> None:
     lower_launch_group_size(store, 3)  # a later scale-down to 3 cannot bring rank 2 back
     assert read_launch_group_size(store) == 2
     assert read_world_high_water(store) is None  # the two records are apart
+
+
+@pytest.fixture
+def deployment_store(store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> TCPStore:
+    """``store`` as the deployment's rendezvous store (upstream's global TCP store)."""
+    import sglang.srt.distributed.utils as distributed_utils
+
+    monkeypatch.setattr(distributed_utils, "get_global_tcp_store", lambda: store)
+    return store
+
+
+def test_a_shrink_below_the_launch_size_lowers_the_boundary_and_rank_0_records_it(
+        deployment_store: TCPStore) -> None:
+    rank1 = SimpleNamespace(original_ep_size=3)
+    release_launch_ranks(rank1, 2, rank=1)
+    assert rank1.original_ep_size == 2
+    assert read_launch_group_size(deployment_store) is None  # only rank 0 writes
+    rank0 = SimpleNamespace(original_ep_size=3)
+    release_launch_ranks(rank0, 2, rank=0)
+    assert rank0.original_ep_size == 2 and read_launch_group_size(deployment_store) == 2
+
+
+def test_a_shrink_that_keeps_every_launch_rank_changes_nothing(
+        deployment_store: TCPStore) -> None:
+    state = SimpleNamespace(original_ep_size=2)
+    release_launch_ranks(state, 2, rank=0)  # 4 -> 2 with launch size 2: joiners leave
+    assert state.original_ep_size == 2 and read_launch_group_size(deployment_store) is None
+
+
+def test_a_later_joiner_takes_the_recorded_boundary(deployment_store: TCPStore) -> None:
+    joiner = SimpleNamespace(original_ep_size=3)  # upstream: its --elastic-ep-initial-size
+    adopt_launch_group_size(joiner)
+    assert joiner.original_ep_size == 3  # nothing released yet
+    lower_launch_group_size(deployment_store, 2)
+    adopt_launch_group_size(joiner)
+    assert joiner.original_ep_size == 2
