@@ -61,6 +61,7 @@ def test_a_plan_killing_a_launch_rank_gets_one_node_per_rank(tmp_path: Path) -> 
     ([[0, 1], [0, 1, 2], [0, -1, -2], [0, 2]], "recover launch-time ranks [1] first"),
     ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3]], "tail"),
     ([[0, 1], [0, 1, 2], [0, 1]], None),
+    ([[0, 1, 2], [0, 1], [0, 1, 2]], None),  # a released launch slot refilled by a joiner
     ([[0, 1], [0, 2]], "one change per step"),
     ([[0, 1, 2], [0, -1, 2], [0, 1, 2, 3]], "recover [1] first"),
     ([[0, 1, 2], [0, 1, -2], [0, 1, 2, 3]], "recover [2] first"),
