@@ -12,7 +12,9 @@ arguments, rejoins in place at 3 ranks while the scale-joined rank 2 serves on. 
 the phase plan ``test/plans/kill_a_node_and_recover_it.json``.
 
 A second test kills node 1 and the scale joiner together (``kill_a_node_and_its_joiner_together``)
-and brings both back.
+and brings both back. A third shrinks a three-node deployment below its launch size, kills and
+recovers a launch-time node at the smaller size, and refills the released launch slot with a
+joiner (``shrink_then_recover_a_launch_node_then_refill``).
 """
 
 from __future__ import annotations
@@ -129,4 +131,30 @@ def test_a_node_and_the_joiner_killed_together_both_come_back(tiny_model: Path) 
             assert line in node1_log, line
         joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
         assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
+        assert read_status(cluster.url)["effective_ep_size"] == 3
+
+
+AFTER_A_SHRINK = (Path(__file__).parents[1] / "plans"
+                  / "shrink_then_recover_a_launch_node_then_refill.json")
+
+
+@pytest.mark.timeout(1200)
+def test_a_launch_node_recovers_after_a_shrink_and_its_released_slot_is_refilled(
+        tiny_model: Path) -> None:
+    """The plan [[0, 1, 2], [0, 1], [0, -1], [0, 1], [0, 1, 2]] on three nodes: the shrink
+    releases launch-time rank 2 (its server exits 0) and lowers the launch-group boundary to 2;
+    node 1, killed at 2 ranks, rejoins in place at 2 (its replacement reads the boundary from
+    the store); then a scale joiner refills slot 2."""
+    steps = load_plan(AFTER_A_SHRINK)
+    spec = plan_spec(tiny_model, steps)
+    assert spec.nodes == 3
+    with LocalCluster(spec) as cluster:
+        runner = run_plan(cluster, steps)
+        node1_log = cluster.followers[1].log_path.read_text(errors="replace")
+        assert "rank 1 rejoins at the size the survivors serve on: 2 ranks (launched at 3)" \
+            in node1_log
+        joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
+        assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
+        primary_log = cluster.primary.log_path.read_text(errors="replace")
+        assert "ranks [2] joined by scale-up (new slots)" in primary_log
         assert read_status(cluster.url)["effective_ep_size"] == 3

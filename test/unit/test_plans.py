@@ -45,6 +45,15 @@ def test_a_plan_killing_a_launch_rank_gets_one_node_per_rank(tmp_path: Path) -> 
     assert plan_spec(tmp_path, steps_of([[0, 1], [0, 1, 2], [0, 1]])).nodes == 1
 
 
+@pytest.mark.parametrize(("launch", "redundant"), [([0, 1], "16"), ([0, 1, 2], "32")])
+def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
+                                              redundant: str) -> None:
+    """16 experts: (16 + redundant) / launch size = 16 slots per rank, so any one rank serves
+    every expert, at any size a plan shrinks to or while others are down."""
+    args = plan_spec(tmp_path, steps_of([launch, [*launch, len(launch)]])).extra_args
+    assert args[args.index("--ep-num-redundant-experts") + 1] == redundant
+
+
 @pytest.mark.parametrize(("plan", "reason"), [
     ([[0, 1]], "at least two"),
     ([[0, 1], "x"], "not a list of rank numbers"),

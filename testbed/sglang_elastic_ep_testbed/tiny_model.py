@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+DEFAULT_NUM_EXPERTS = 16
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / ".models" / "tiny-qwen3-moe"
 
 _WORDS = (
@@ -36,7 +37,8 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16))) for _ in range(lines)]
 
 
-def write_tiny_model(out_dir: Path = DEFAULT_DIR, seed: int = 0, num_experts: int = 16) -> Path:
+def write_tiny_model(out_dir: Path = DEFAULT_DIR, seed: int = 0,
+                     num_experts: int = DEFAULT_NUM_EXPERTS) -> Path:
     """Write the model to ``out_dir`` (idempotent: an existing complete model is kept)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

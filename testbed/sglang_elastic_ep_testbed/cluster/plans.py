@@ -47,6 +47,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     wait_operation,
     wait_status,
 )
+from sglang_elastic_ep_testbed.tiny_model import DEFAULT_NUM_EXPERTS
 
 StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "stay"]
 
@@ -150,15 +151,17 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
 
 def plan_spec(tiny_model: Path, steps: Sequence[Step], max_ep_size: int = 4,
               extra_args: Sequence[str] = ()) -> ClusterSpec:
-    """A cluster for ``steps``: NIXL EP, every expert also on another rank (outputs stay
-    identical while a rank is down); one node per launch rank when the plan kills a
-    launch-time rank (it then dies and comes back alone), else one server."""
+    """A cluster for ``steps``: NIXL EP, every launch rank holding every expert (outputs stay
+    identical while ranks are down, at any size the plan shrinks to); one node per launch rank
+    when the plan kills a launch-time rank (it then dies and comes back alone), else one
+    server."""
     launch = len(steps[0].active)
     kills_launch_rank = any(s.kind == "kill" and min(s.ranks) < launch for s in steps)
+    redundant = DEFAULT_NUM_EXPERTS * (launch - 1)  # one slot per expert on every launch rank
     return ClusterSpec(
         tiny_model, ep_size=launch, max_ep_size=max_ep_size, moe_a2a_backend="nixl",
         nodes=launch if kills_launch_rank else 1,
-        extra_args=["--ep-num-redundant-experts", "16", *extra_args],
+        extra_args=["--ep-num-redundant-experts", str(redundant), *extra_args],
     )
 
 
