@@ -15,14 +15,16 @@ import pytest
 
 from sglang_elastic_ep.sglang.args import add_cli_args, check_elastic_ep_args
 from sglang_elastic_ep_testbed.cluster.launcher import ClusterSpec, base_server_args
+from sglang_elastic_ep_testbed.cluster.procs import free_port
 
 
 def joiner_server_args(tiny_model: Path, *, launch_size: int, offset: int) -> object:
     from sglang.srt.server_args import ServerArgs
 
     spec = ClusterSpec(tiny_model, ep_size=1, max_ep_size=4, moe_a2a_backend="nixl")
-    argv = base_server_args(spec, 30000) + [
-        "--dist-init-addr", "127.0.0.1:30001",
+    # Resolution only: nothing binds these ports.
+    argv = base_server_args(spec, free_port()) + [
+        "--dist-init-addr", f"127.0.0.1:{free_port()}",
         "--elastic-ep-join-mode", "scale",
         "--nnodes", "2", "--node-rank", "1", "--moe-dense-tp-size", "1",
         "--elastic-ep-join-rank-offset", str(offset),

@@ -149,13 +149,10 @@ def init_distributed_environment(original: Callable[..., Any], *args: Any, **kwa
     return result
 
 
-
 def adopt_launch_group_size(state: Any) -> None:
     """A joiner or a replacement: lower ``state.original_ep_size`` to the launch-time group's
     size the deployment recorded (no record: no launch-time rank was released)."""
-    from sglang.srt.distributed.utils import get_global_tcp_store
-
-    store = get_global_tcp_store()
+    store = _deployment_store()
     if store is not None:
         state.original_ep_size = launch_group_size(int(state.original_ep_size),
                                                    read_launch_group_size(store))
@@ -167,9 +164,13 @@ def release_launch_ranks(state: Any, target: int, rank: int) -> None:
     if target >= int(state.original_ep_size):
         return
     state.original_ep_size = target
-    if rank == 0:
-        from sglang.srt.distributed.utils import get_global_tcp_store
+    store = _deployment_store() if rank == 0 else None
+    if store is not None:
+        lower_launch_group_size(store, target)
 
-        store = get_global_tcp_store()
-        if store is not None:
-            lower_launch_group_size(store, target)
+
+def _deployment_store() -> KeyValueStore | None:
+    """Upstream's client of the deployment's rendezvous store (None before it is set up)."""
+    from sglang.srt.distributed.utils import get_global_tcp_store
+
+    return get_global_tcp_store()
