@@ -52,6 +52,7 @@ from sglang_elastic_ep.core.stall import describe_positions
 from sglang_elastic_ep.core.validation import (
     ScaleTopology,
     ScaleVerdict,
+    refusal_while_holes,
     resolve_removal,
     validate_scale,
 )
@@ -145,6 +146,7 @@ class InProcessControlPlane:
         self._engine = engine
         self._canceller = canceller
         self._cancelling: set[str] = set()  # running operations a DELETE is calling off
+        self._holes_removed: set[str] = set()  # started removals of failed ranks below the tail
         self._clock = clock
         self._events = events or EventLog(self._instance_id, capacity=event_capacity, clock=clock)
         if self._events.instance_id != self._instance_id:
@@ -198,30 +200,7 @@ class InProcessControlPlane:
     async def request_scale(self, request: ScaleRequest) -> ScaleAnswer:
         """Validate and admit ``request``; hand a started operation to the engine."""
         with self._lock:
-            current = self._membership.effective_size
-            if request.remove_ranks is not None:
-                # Against the size it removes from: on a retry of a known operation id, the
-                # size that operation started at (it may have committed since).
-                known = self._registry.get(request.operation_id) \
-                    if request.operation_id is not None else None
-                basis = known.old_ep_size if known is not None else current
-                resolved = resolve_removal(request.remove_ranks, basis)
-                if isinstance(resolved, ScaleVerdict):
-                    refusal = Admission(
-                        status=resolved.status, accepted=False, message=resolved.message,
-                        old_ep_size=current, new_ep_size=current,
-                        phase=self._registry.current_phase(),
-                        operation_id=request.operation_id, reason=resolved.reason)
-                    return ScaleAnswer(status=refusal.status,
-                                       response=refusal.to_response(self._instance_id))
-                request = request.as_size(resolved)
-            verdict = validate_scale(
-                request.target_ep_size,
-                current_size=current,
-                topology=self._topology,
-                failed_ranks=self._membership.failed,
-            )
-            admission = self._registry.admit(request, verdict, current_size=current)
+            admission = self._admit_locked(request)
             if admission.started:
                 assert admission.operation is not None
                 self._apply_start_locked(admission.operation)
@@ -236,6 +215,12 @@ class InProcessControlPlane:
         self.refresh_metrics()
         op = admission.operation
         assert op is not None
+        if op.operation_id in self._holes_removed:
+            # Failed ranks removed below the tail: nothing runs on the schedulers, which
+            # already serve without them (and take a relaunch of them back in place).
+            done = self.finish_operation(op.operation_id)
+            return ScaleAnswer(status=answer.status, started=True, response=answer.response
+                               .model_copy(update={"phase": done.phase}))
         if self._engine is None:
             return answer
         try:
@@ -265,6 +250,43 @@ class InProcessControlPlane:
             status = HTTPStatus.UNPROCESSABLE_ENTITY if refused else HTTPStatus.SERVICE_UNAVAILABLE
             return ScaleAnswer(status=int(status), response=body)
         return answer
+
+    def _admit_locked(self, request: ScaleRequest) -> Admission:
+        """The registry's answer to ``request`` against the membership now (the lock held)."""
+        m = self._membership
+        current = m.serving_size
+        verdict: ScaleVerdict | None = None
+        if request.remove_ranks is not None:
+            known = self._registry.get(request.operation_id) \
+                if request.operation_id is not None else None
+            if known is not None and sorted(known.ranks) == request.remove_ranks:
+                request = request.as_size(known.new_ep_size)  # a retry: the registry replays
+            else:
+                resolved = resolve_removal(
+                    request.remove_ranks, m.effective_size, failed=m.failed_in_range(),
+                    launch_size=self._topology.launch_size,
+                    attn_replica_size=self._topology.attn_replica_size)
+                if isinstance(resolved, int):
+                    request = request.as_size(resolved - len(m.removed))
+                elif resolved.ok:
+                    request = request.as_size(current - len(resolved.leaving_ranks))
+                    verdict = resolved
+                else:
+                    refusal = Admission(
+                        status=resolved.status, accepted=False, message=resolved.message,
+                        old_ep_size=current, new_ep_size=current,
+                        phase=self._registry.current_phase(),
+                        operation_id=request.operation_id, reason=resolved.reason)
+                    return refusal
+        if verdict is None:
+            verdict = refusal_while_holes(request.target_ep_size, current, m.removed) \
+                or validate_scale(request.target_ep_size, current_size=current,
+                                  topology=self._topology, failed_ranks=m.failed)
+        admission = self._registry.admit(request, verdict, current_size=current)
+        if admission.started and verdict.leaves_holes:
+            assert admission.operation is not None
+            self._holes_removed.add(admission.operation.operation_id)
+        return admission
 
     async def cancel_operation(self, operation_id: str, *,
                                wait_s: float = CANCEL_WAIT_S) -> CancelAnswer:
@@ -421,6 +443,8 @@ class InProcessControlPlane:
         # the membership still shows the finished operation.
         cancelled = error is not None and operation_id in self._cancelling
         self._cancelling.discard(operation_id)
+        leaves_holes = operation_id in self._holes_removed
+        self._holes_removed.discard(operation_id)
         with self._lock:
             op = self._registry.finish(operation_id, error=error, failed_in=failed_in,
                                        cancelled=cancelled)
@@ -434,7 +458,10 @@ class InProcessControlPlane:
             else:
                 release = frozenset()
             m = self._membership
-            if error is None and op.kind is OperationKind.SCALE_UP:
+            if error is None and leaves_holes:
+                m = replace(m, leaving=frozenset(), failed=m.failed - frozenset(op.ranks),
+                            removed=m.removed | frozenset(op.ranks))
+            elif error is None and op.kind is OperationKind.SCALE_UP:
                 m = replace(m, effective_size=op.new_ep_size, pending_size=None)
             elif error is None and op.kind is OperationKind.SCALE_DOWN:
                 m = replace(
@@ -449,7 +476,7 @@ class InProcessControlPlane:
             self._membership = m
             if not m.failed_in_range():
                 self._recovery_phase = None  # e.g. the failed tail rank was scaled away
-            self._health.set_ranks(range(m.effective_size))
+            self._health.set_ranks(m.managed_ranks())
             for rank in op.ranks:
                 self._health.clear(rank)
         # The registry already announced a committed scale-down's leaving ranks.
@@ -498,13 +525,12 @@ class InProcessControlPlane:
             newly_failed = sorted(
                 r for r in down_set
                 if r < m.effective_size and r not in m.failed and r not in m.leaving
+                and r not in m.removed
             )
-            back = sorted(r for r in m.failed if r not in down_set)
+            back = sorted(r for r in m.failed | m.removed if r not in down_set)
             self._health_snapshot = None
             decision = self._health.observe(
-                alive={
-                    r: r not in down_set for r in range(m.effective_size) if r not in m.leaving
-                },
+                alive={r: r not in down_set for r in m.managed_ranks() if r not in m.leaving},
                 expert_latency={},
                 expert_rank={},
             )
@@ -536,11 +562,16 @@ class InProcessControlPlane:
     def report_rank_recovered(
         self, ranks: Iterable[int], operation_id: str | None = None
     ) -> None:
-        """Replacements for failed ranks joined; they serve again."""
+        """Replacements for failed ranks joined, or refilled removed ranks' slots; they serve
+        again."""
         recovered = sorted(set(ranks))
         with self._lock:
             m = self._membership
-            self._membership = replace(m, failed=m.failed - frozenset(recovered))
+            back = frozenset(recovered)
+            self._membership = replace(
+                m, failed=m.failed - back, removed=m.removed - back,
+                safe_to_terminate=m.safe_to_terminate - (back & m.removed))
+            self._health.set_ranks(self._membership.managed_ranks())
             for rank in recovered:
                 self._health.clear(rank)
             if not self._membership.failed_in_range():
@@ -569,7 +600,7 @@ class InProcessControlPlane:
             )
         with self._lock:
             self._membership = membership
-            self._health.set_ranks(range(membership.effective_size))
+            self._health.set_ranks(membership.managed_ranks())
         self.refresh_metrics()
 
     def forget_safe_to_terminate(self, ranks: Iterable[int]) -> None:

@@ -68,7 +68,8 @@ class ElasticEPMetrics:
             return prom.Gauge(PREFIX + name, doc, multiprocess_mode="mostrecent", **kw)
 
         self.effective_size = gauge(
-            "effective_size", "EP rank slots managed now (serving, or failed in place)"
+            "effective_size",
+            "EP ranks managed now (serving, or failed in place; removed ranks' holes not counted)",
         )
         self.max_size = gauge("max_size", "--max-ep-size: the most EP ranks this server can use")
         self.active_ranks = gauge("active_ranks", "EP ranks serving now")

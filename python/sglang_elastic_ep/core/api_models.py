@@ -75,8 +75,10 @@ class ScaleRequest(_Strict):
     remove_ranks: list[int] | None = Field(
         default=None,
         description="The ranks to remove (the RFC's rank-explicit form), instead of a size. "
-        "This build removes ranks from the tail: the set must be the highest ranks of the "
-        "current size (e.g. [2, 3] of 4 ranks, the same as new_ep_size 2).",
+        "Live ranks leave from the tail: the set must be the highest ranks of the current size "
+        "(e.g. [2, 3] of 4 ranks, the same as new_ep_size 2). Failed launch-time ranks may be "
+        "removed anywhere: their slots become holes, refilled by relaunching them with "
+        "--elastic-ep-join-mode recover.",
     )
     operation_id: str | None = Field(
         default=None,
@@ -181,6 +183,7 @@ class RejectionReason(str, enum.Enum):
     TOO_FEW_EXPERT_SLOTS = "too_few_expert_slots"
     FAILED_RANKS_PRESENT = "failed_ranks_present"
     MUST_REMOVE_FAILED_RANKS = "must_remove_failed_ranks"
+    REMOVED_RANKS_PRESENT = "removed_ranks_present"
     UNKNOWN_RANKS = "unknown_ranks"
     RANK_ZERO = "rank_zero"
     NOT_THE_TAIL = "not_the_tail"

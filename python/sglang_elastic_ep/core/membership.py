@@ -1,4 +1,4 @@
-"""A snapshot of which EP rank slots are active, pending, failed, leaving or released."""
+"""A snapshot of which EP rank slots are active, pending, failed, leaving, released or removed."""
 
 from __future__ import annotations
 
@@ -12,22 +12,29 @@ from sglang_elastic_ep.core.api_models import RankState, RankStatus
 @dataclass(frozen=True)
 class Membership:
     max_size: int
-    effective_size: int  # ranks [0, effective_size) are managed (serving, or failed in place)
+    # Slots [0, effective_size) are managed: serving, failed in place, or removed (holes).
+    effective_size: int
     pending_size: int | None = None  # target of a running scale-up
     failed: frozenset[int] = field(default_factory=frozenset)
     leaving: frozenset[int] = field(default_factory=frozenset)  # running scale-down
     safe_to_terminate: frozenset[int] = field(default_factory=frozenset)
+    # Failed slots below the tail that the operator removed (``remove_ranks``): holes in the
+    # active set, counted in no size until a replacement refills them.
+    removed: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         if not 1 <= self.effective_size <= self.max_size:
             raise ValueError(
                 f"effective_size {self.effective_size} must be in [1, {self.max_size}]"
             )
-        for name in ("failed", "leaving", "safe_to_terminate"):
+        for name in ("failed", "leaving", "safe_to_terminate", "removed"):
             ranks: frozenset[int] = getattr(self, name)
             bad = sorted(r for r in ranks if not 0 <= r < self.max_size)
             if bad:
                 raise ValueError(f"{name} ranks {bad} are outside [0, {self.max_size})")
+        if self.removed & self.failed:
+            raise ValueError(f"ranks {sorted(self.removed & self.failed)} cannot be both "
+                             "failed and removed")
 
     def rank_state(self, rank: int) -> RankState:
         # Order matters: a released rank may also have failed; "released" is what to act on.
@@ -37,6 +44,8 @@ class Membership:
             return RankState.FAILED
         if rank in self.leaving:
             return RankState.LEAVING
+        if rank in self.removed:
+            return RankState.INACTIVE
         if rank < self.effective_size:
             return RankState.ACTIVE
         if self.pending_size is not None and rank < self.pending_size:
@@ -48,6 +57,15 @@ class Membership:
 
     def failed_in_range(self) -> frozenset[int]:
         return frozenset(r for r in self.failed if r < self.effective_size)
+
+    def managed_ranks(self) -> list[int]:
+        """The slots inside the effective size that are not holes (serving or failed)."""
+        return [r for r in range(self.effective_size) if r not in self.removed]
+
+    @property
+    def serving_size(self) -> int:
+        """The EP size an orchestrator reads: the managed slots, holes not counted."""
+        return len(self.managed_ranks())
 
 
 def is_recovery_join(rank_ids: Iterable[int], ever_active: Iterable[int]) -> bool:

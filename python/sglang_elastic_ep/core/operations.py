@@ -463,7 +463,7 @@ class OperationRegistry:
             return StatusResponse(
                 instance_id=self.instance_id,
                 phase=self._current_phase_locked(),
-                effective_ep_size=membership.effective_size,
+                effective_ep_size=membership.serving_size,
                 pending_ep_size=membership.pending_size,
                 max_ep_size=membership.max_size,
                 ranks=membership.rank_statuses(),

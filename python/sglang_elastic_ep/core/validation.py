@@ -4,7 +4,11 @@ Decisions:
 - Target equal to the current size is a no-op answered with 200 (absolute targets are
   idempotent: an orchestrator that retries after success must not see an error).
 - Ranks join and leave at the tail: scale-up adds [current, target), scale-down removes
-  [target, current). A rank-explicit removal (``remove_ranks``) must name that tail.
+  [target, current). A rank-explicit removal (``remove_ranks``) must name that tail, except
+  for failed launch-time ranks: those may be removed anywhere. Nothing moves (they serve
+  nothing already); their slots become holes, which a relaunch with
+  ``--elastic-ep-join-mode recover`` refills. While a hole is open, no other size change is
+  accepted: the tail arithmetic of sizes would not say which slots change.
 - A size must be a whole number of attention replicas (upstream Scheduler rule:
   ``new_ep_size % (attn_tp_size * attn_cp_size) == 0``).
 - While a rank inside the current size has failed, scale-up is refused (409), and the only
@@ -66,6 +70,8 @@ class ScaleVerdict:
     joining_ranks: tuple[int, ...] = ()
     leaving_ranks: tuple[int, ...] = ()
     reason: RejectionReason | None = None
+    # A removal of failed ranks below the tail: they leave holes, and no rank or expert moves.
+    leaves_holes: bool = False
 
 
 def _refuse(status: HTTPStatus, reason: RejectionReason, message: str) -> ScaleVerdict:
@@ -76,10 +82,16 @@ def _ranks(ranks: Iterable[int]) -> str:
     return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
 
 
-def resolve_removal(ranks: Iterable[int], current_size: int) -> int | ScaleVerdict:
-    """``remove_ranks`` as the size it leaves, or why it cannot be done. Only the tail leaves
-    (the active set stays a prefix: routing, expert placement and upstream's DP attention
-    count ranks from 0), so the set must be the highest ranks of ``current_size``."""
+def resolve_removal(ranks: Iterable[int], current_size: int, *,
+                    failed: Iterable[int] = (), launch_size: int | None = None,
+                    attn_replica_size: int = 1) -> int | ScaleVerdict:
+    """``remove_ranks`` as the size it leaves (the tail of ``current_size``), or as an
+    accepted removal of failed launch-time ranks below the tail (``leaves_holes``), or why it
+    cannot be done. Live ranks leave from the tail only: routing, expert placement and
+    upstream's DP attention count the serving ranks from 0. A failed launch-time rank serves
+    nothing already, so removing it moves nothing; a relaunch with
+    ``--elastic-ep-join-mode recover`` refills its slot later (any launch-time rank can
+    rejoin in place)."""
     named = sorted(set(ranks))
     unknown = [r for r in named if r >= current_size]
     if unknown:
@@ -97,17 +109,66 @@ def resolve_removal(ranks: Iterable[int], current_size: int) -> int | ScaleVerdi
                f"{_ranks(tail)}}}" if len(named) < current_size
                else "to stop serving, shut the server down"),
         )
-    if named != tail:
-        holes = sorted(set(range(current_size)) - set(named))
-        return _refuse(
-            HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
-            f"removing {_ranks(named)} would leave the active ranks {_ranks(holes)} with a "
-            "hole, and this build removes ranks from the tail only; remove the "
-            f'{len(named)} highest ranks instead ({{"remove_ranks": {_ranks(tail)}}}, the same '
-            f"as new_ep_size {current_size - len(named)}), or relaunch a failed rank with "
-            "--ep-join-mode recover",
+    if named == tail:
+        return current_size - len(named)
+    down = frozenset(failed)
+    launch = current_size if launch_size is None else launch_size
+    if set(named) <= down and max(named) < launch:
+        split = sorted({r // attn_replica_size for r in named
+                        if any(p not in named for p in _replica(r, attn_replica_size))})
+        if split:
+            whole = sorted(p for g in split for p in _replica(g * attn_replica_size,
+                                                               attn_replica_size))
+            return _refuse(
+                HTTPStatus.BAD_REQUEST, RejectionReason.INCOMPLETE_ATTENTION_REPLICA,
+                f"removing {_ranks(named)} would split an attention replica of "
+                f"{attn_replica_size} ranks; name whole replicas, e.g. "
+                f'{{"remove_ranks": {_ranks(set(named) | set(whole))}}}',
+            )
+        return ScaleVerdict(
+            ok=True, status=int(HTTPStatus.OK), direction=ScaleDirection.DOWN,
+            leaving_ranks=tuple(named), leaves_holes=True,
+            message=(f"Removed failed ranks {_ranks(named)}: serving on "
+                     f"{current_size - len(named)} ranks; relaunch them with "
+                     "--elastic-ep-join-mode recover to refill their slots"),
         )
-    return current_size - len(named)
+    holes = sorted(set(range(current_size)) - set(named))
+    live = [r for r in named if r not in down]
+    joined = [r for r in named if r in down and r >= launch]
+    why = (f"ranks {_ranks(live)} are live, and live ranks leave from the tail only"
+           if live else
+           f"ranks {_ranks(joined)} joined by scale-up, and only failed launch-time ranks "
+           "can be removed below the tail")
+    return _refuse(
+        HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
+        f"removing {_ranks(named)} would leave the active ranks {_ranks(holes)} with a "
+        f"hole, and {why}; remove the {len(named)} highest ranks instead "
+        f'({{"remove_ranks": {_ranks(tail)}}}, the same as new_ep_size '
+        f"{current_size - len(named)}), or relaunch a failed rank with "
+        "--elastic-ep-join-mode recover",
+    )
+
+
+def _replica(rank: int, attn_replica_size: int) -> range:
+    first = rank // attn_replica_size * attn_replica_size
+    return range(first, first + attn_replica_size)
+
+
+def refusal_while_holes(target: int, serving_size: int,
+                        removed: Iterable[int]) -> ScaleVerdict | None:
+    """Why a size change cannot start while removed ranks leave holes (None: no holes, or
+    ``target`` is the size served now). A hole is refilled by relaunching its rank, not by a
+    size: which slots a size adds or removes is defined for a prefix of ranks only."""
+    holes = sorted(removed)
+    if not holes or target == serving_size:
+        return None
+    return _refuse(
+        HTTPStatus.CONFLICT, RejectionReason.REMOVED_RANKS_PRESENT,
+        f"removed ranks {_ranks(holes)} leave holes in the active ranks, and a size change "
+        f"is defined for ranks 0..n-1 only; refill the holes first by relaunching ranks "
+        f"{_ranks(holes)} with --elastic-ep-join-mode recover (they rejoin in place and the "
+        f"size returns to {serving_size + len(holes)}), then retry",
+    )
 
 
 def validate_scale(
@@ -193,7 +254,7 @@ def _judge(
         remove_hint = (
             f", or remove them by scaling down to {removal_target}"
             if removal_target is not None
-            else ""
+            else _hole_removal_hint(failed, current_size, topology)
         )
         return _refuse(
             HTTPStatus.CONFLICT,
@@ -203,11 +264,12 @@ def _judge(
             "then scale up",
         )
     if failed and removable != failed:
+        holes = _hole_removal_hint(failed, current_size, topology)
         fix = (
             f"scale down to exactly {removal_target}"
             if removal_target is not None
             else "they cannot be removed that way, so relaunch them with "
-            "--elastic-ep-join-mode recover instead"
+            f"--elastic-ep-join-mode recover instead{holes}"
         )
         return _refuse(
             HTTPStatus.CONFLICT,
@@ -241,6 +303,19 @@ def _judge(
         direction=ScaleDirection.DOWN,
         leaving_ranks=leaving,
     )
+
+
+def _hole_removal_hint(failed: frozenset[int], current_size: int,
+                       topology: ScaleTopology) -> str:
+    """How to remove ``failed`` where they are (holes), when that is accepted; else ""."""
+    if not failed:
+        return ""
+    accepted = resolve_removal(failed, current_size, failed=failed,
+                               launch_size=topology.launch_size,
+                               attn_replica_size=topology.attn_replica_size)
+    if isinstance(accepted, ScaleVerdict) and accepted.leaves_holes:
+        return f', or remove them where they are: {{"remove_ranks": {_ranks(failed)}}}'
+    return ""
 
 
 def _removal_target(

@@ -58,7 +58,7 @@ class ExpertHealthPoller:
             report.get("eplb_rebalances", ()),
         )
         m = plane.membership
-        ranks = [r for r in range(m.effective_size) if r not in m.leaving]
+        ranks = [r for r in m.managed_ranks() if r not in m.leaving]
         serving = [r for r in ranks if r not in m.failed]
         latency, owner = timings.for_monitor(ranks)
         plane.observe_health(alive={r: r not in m.failed for r in ranks},

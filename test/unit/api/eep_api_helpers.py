@@ -92,11 +92,13 @@ def make_plane(
     attn_replica_size: int = 1,
     engine: Any = None,
     clock: Clock | None = None,
+    launch_size: int | None = None,
     **kwargs: Any,
 ) -> InProcessControlPlane:
     ids = iter(f"gen-{i}" for i in range(1000))
     plane = InProcessControlPlane(
-        topology=ScaleTopology(max_ep_size=max_ep_size, attn_replica_size=attn_replica_size),
+        topology=ScaleTopology(max_ep_size=max_ep_size, attn_replica_size=attn_replica_size,
+                               launch_size=launch_size),
         initial_ep_size=initial,
         engine=engine,
         instance_id=INSTANCE,

@@ -1,5 +1,6 @@
 """``POST /scale_elastic_ep {"remove_ranks": [...]}``: the RFC's rank-explicit removal. The
-tail is removed like ``new_ep_size``; any other set is refused with the reason and the set
+tail is removed like ``new_ep_size``; failed launch-time ranks below it are removed where they
+are (holes, refilled by their relaunch); any other set is refused with the reason and the set
 that works, and changes nothing."""
 
 from __future__ import annotations
@@ -62,3 +63,83 @@ def test_malformed_sets_get_400(four_ranks, body: dict, fragment: str) -> None:
     assert answer.status_code == 400, answer.text
     assert fragment in answer.text, answer.text
     assert engine.ops == []
+
+
+def _types_for(plane: object, ranks: list[int]) -> list[str]:
+    return [e.type for e in plane.events.since(0).events if getattr(e, "ranks", None) == ranks]
+
+
+def _states(client: TestClient) -> list[str]:
+    return [r["state"] for r in client.get("/elastic_ep/status").json()["ranks"][:4]]
+
+
+def test_a_failed_launch_rank_below_the_tail_is_removed_then_its_relaunch_refills_it() -> None:
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=3, launch_size=2, max_ep_size=4)
+    client = TestClient(make_app(plane))
+    plane.observe_rank_liveness([1], reason="killed")
+
+    answer = client.post("/scale_elastic_ep", json={"remove_ranks": [1], "operation_id": "rm"})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert (body["old_ep_size"], body["new_ep_size"], body["phase"]) == \
+        (3, 2, "serving_contracted"), body
+    assert "--elastic-ep-join-mode recover" in body["message"]
+    assert engine.ops == []  # the schedulers already serve without it: nothing to run
+    status = client.get("/elastic_ep/status").json()
+    assert status["effective_ep_size"] == 2 and status["current_operation"] is None
+    assert _states(client) == ["active", "safe_to_terminate", "active", "inactive"]
+    assert _types_for(plane, [1]) == ["rank_failed", "recovery_required", "scale_requested",
+                                      "scale_committed", "safe_to_terminate"]
+    assert [r["rank"] for r in client.get("/elastic_ep/health").json()["ranks"]] == [0, 2]
+    again = client.post("/scale_elastic_ep", json={"remove_ranks": [1], "operation_id": "rm"})
+    assert again.status_code == 200 and again.json()["replayed"] is True, again.text
+
+    # The hole stays out of every size change until it is refilled; the same size is a no-op.
+    for request in ({"new_ep_size": 3}, {"new_ep_size": 1}, {"remove_ranks": [2]}):
+        refused = client.post("/scale_elastic_ep", json=request)
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["reason"] == "removed_ranks_present", refused.text
+        assert "relaunching ranks [1] with --elastic-ep-join-mode recover" in \
+            refused.json()["message"]
+    assert client.post("/scale_elastic_ep", json={"new_ep_size": 2}).status_code == 200
+    plane.observe_rank_liveness([1], reason="still down")  # not failed again: it was removed
+    assert _types_for(plane, [1])[-1] == "safe_to_terminate"
+    assert engine.ops == []
+
+    plane.observe_rank_liveness([], reason="")  # its relaunch rejoined in place
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["phase"]) == (3, "serving_recovered"), status
+    assert _states(client) == ["active", "active", "active", "inactive"]
+    assert _types_for(plane, [1])[-1] == "rank_recovered"
+    assert client.post("/scale_elastic_ep", json={"new_ep_size": 2}).status_code == 200
+    assert [(op.old_ep_size, op.new_ep_size) for op in engine.ops] == [(3, 2)]
+
+
+@pytest.mark.parametrize(("launch", "failed", "ranks", "fragment"), [
+    (2, [2], [2], "ranks [2] joined by scale-up"),
+    (4, [1], [1, 2], "ranks [2] are live"),
+])
+def test_only_failed_launch_ranks_leave_holes(launch: int, failed: list[int], ranks: list[int],
+                                              fragment: str) -> None:
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=4, launch_size=launch)
+    client = TestClient(make_app(plane))
+    plane.observe_rank_liveness(failed, reason="killed")
+    answer = client.post("/scale_elastic_ep", json={"remove_ranks": ranks})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["reason"] == "not_the_tail" and fragment in answer.text, answer.text
+    assert _states(client).count("failed") == len(failed) and engine.ops == []
+
+
+def test_a_hole_takes_whole_attention_replicas() -> None:
+    plane = make_plane(initial=6, attn_replica_size=2)
+    client = TestClient(make_app(plane))
+    plane.observe_rank_liveness([2, 3], reason="killed")
+    half = client.post("/scale_elastic_ep", json={"remove_ranks": [2]})
+    assert half.status_code == 400, half.text
+    assert half.json()["reason"] == "incomplete_attention_replica"
+    assert '{"remove_ranks": [2, 3]}' in half.json()["message"]
+    whole = client.post("/scale_elastic_ep", json={"remove_ranks": [2, 3]})
+    assert whole.status_code == 200, whole.text
+    assert client.get("/elastic_ep/status").json()["effective_ep_size"] == 4

@@ -104,3 +104,13 @@ def test_a_launch_rank_and_a_joiner_failing_together_let_the_joiner_go_first() -
 def test_failed_tail_rejects_inconsistent_sizes(effective: int, launch: int) -> None:
     with pytest.raises(ValueError):
         failed_tail([1, 1, 1, 1], effective_size=effective, launch_size=launch)
+
+
+def test_removed_ranks_are_holes_counted_in_no_size() -> None:
+    m = Membership(max_size=4, effective_size=3, removed=frozenset({1}))
+    assert m.managed_ranks() == [0, 2] and m.serving_size == 2
+    assert [s.state.value for s in m.rank_statuses()] == ["active", "inactive", "active",
+                                                          "inactive"]
+    with pytest.raises(ValueError, match="both failed and removed"):
+        Membership(max_size=4, effective_size=3, failed=frozenset({1}),
+                   removed=frozenset({1}))

@@ -3,20 +3,29 @@
 Walks the scale validator over reachable states (sizes of whole attention replicas that hold
 every expert, any one or two failed ranks, slots released below the launch size) and every
 target. A refusal that names a size to ask for instead must name one the same state accepts;
-one that tells the operator to recover ranks must be about a state with failed ranks.
+one that tells the operator to recover ranks must be about a state with failed ranks; one
+that names ranks to remove (``{"remove_ranks": [...]}``) must name a set the same state
+accepts.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import re
 
 import pytest
 
-from sglang_elastic_ep.core.validation import ScaleTopology, validate_scale
+from sglang_elastic_ep.core.validation import (
+    ScaleTopology,
+    ScaleVerdict,
+    resolve_removal,
+    validate_scale,
+)
 
 # "scale down to exactly 3", "scaling down to 3", "accepted now is 3", "(e.g. 4 or 6)"
 SUGGESTED = re.compile(r"\b(?:down to(?: exactly)?|accepted now is|e\.g\.|or) (\d+)")
+REMOVAL = re.compile(r'\{"remove_ranks": (\[[\d, ]+\])\}')
 
 TOPOLOGIES = [
     ScaleTopology(max_ep_size=max_size, attn_replica_size=replica,
@@ -51,6 +60,12 @@ def test_no_refusal_recommends_an_action_the_same_state_refuses(
                 again = validate_scale(size, current_size=current, topology=topology,
                                        failed_ranks=failed)
                 assert again.ok, (current, failed, target, verdict.message, again.message)
+            for ranks in map(json.loads, REMOVAL.findall(verdict.message)):
+                removal = resolve_removal(ranks, current, failed=failed,
+                                          launch_size=topology.launch_size,
+                                          attn_replica_size=topology.attn_replica_size)
+                assert not isinstance(removal, ScaleVerdict) or removal.ok, \
+                    (current, failed, target, verdict.message, removal.message)
             if "recover" in verdict.message:
                 assert failed, (current, target, verdict.message)
             assert verdict.message.strip(), (current, failed, target)
@@ -71,3 +86,8 @@ def test_the_walk_sees_each_kind_of_suggestion() -> None:
     ]
     for message in messages:
         assert SUGGESTED.search(message), message
+    holes = validate_scale(8, current_size=6, topology=topo, failed_ranks=[0, 1]).message
+    assert not REMOVAL.search(holes), holes  # rank 0 is never offered for removal
+    holes = validate_scale(8, current_size=6, topology=ScaleTopology(max_ep_size=8,
+                           launch_size=6), failed_ranks=[1]).message
+    assert REMOVAL.search(holes), holes
