@@ -7,9 +7,11 @@ a hang), the status shows rank 1 failed, and the events reach both SSE and a web
 A process relaunched with ``--ep-join-mode recover`` rejoins; the cluster is back at full size,
 serves on the recovered shard again, and every completed request decoded the reference tokens.
 Then the same on the same cluster after a scale-up to 3 (upstream answers
-``recovery_unsupported`` there): node 1 is killed again and its relaunch, with the same
-arguments, rejoins in place at 3 ranks while the scale-joined rank 2 serves on. The steps are
-the phase plan ``test/plans/kill_a_node_and_recover_it.json``.
+``recovery_unsupported`` there): node 1 is killed again, and this time the operator removes it
+where it is (``{"remove_ranks": [1]}``: the cluster serves on ranks [0, 2], not degraded, and
+rank 1 is safe to terminate); later its relaunch, with the same arguments, refills the slot in
+place at 3 ranks while the scale-joined rank 2 serves on. The steps are the phase plan
+``test/plans/kill_a_node_and_recover_it.json``.
 
 A second test kills node 1 and the scale joiner together (``kill_a_node_and_its_joiner_together``)
 and brings both back. A third shrinks a three-node deployment below its launch size, kills and
@@ -42,9 +44,9 @@ PLAN = Path(__file__).parents[1] / "plans" / "kill_a_node_and_recover_it.json"
 
 @pytest.mark.timeout(1200)
 def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
-    """The plan [[0, 1], [0, -1], [0, 1], [0, 1, 2], [0, -1, 2], [0, 1, 2]] (the runner checks
-    the set, the serving shards, the lost requests and the outputs at each step), plus what an
-    orchestrator sees on the way."""
+    """The plan [[0, 1], [0, -1], [0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0, 1, 2]] (the runner
+    checks the set, the serving shards, the lost requests and the outputs at each step), plus
+    what an orchestrator sees on the way."""
     steps = load_plan(PLAN)
     hook = WebhookReceiver()
     spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics",
@@ -64,6 +66,16 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
                 capture_output=True, text=True, timeout=60,
             )
             assert cli.returncode == 0 and "serving_degraded" in cli.stdout, cli
+        elif step.kind == "remove":
+            assert current["phase"] == "serving_contracted", current
+            assert current["effective_ep_size"] == 2, current
+            assert current["ranks"][1]["state"] == "safe_to_terminate", current
+            assert metric(url, "sglang:elastic_ep_failed_ranks") == 0.0
+            health = httpx.get(url + "/elastic_ep/health", timeout=30).json()
+            assert [r["rank"] for r in health["ranks"]] == [0, 2], health
+            refused = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3}, timeout=30)
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["reason"] == "removed_ranks_present", refused.text
         elif step.kind == "recover":
             assert current["phase"] == "serving_recovered", current
             assert current["effective_ep_size"] == len(step.active), current
@@ -95,7 +107,10 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             assert metric(url, "sglang:elastic_ep_failed_ranks") == 0.0
             assert (metric(url, "sglang:elastic_ep_degraded_seconds_total") or 0.0) > 0.0
 
-            expected = ["rank_failed", "recovery_required", "rank_recovered"] * 2
+            expected = ["rank_failed", "recovery_required", "rank_recovered",
+                        "rank_failed", "recovery_required",
+                        "scale_requested", "scale_committed", "safe_to_terminate",
+                        "rank_recovered"]
             events = sse_events(url)
             assert event_types(events, [1]) == expected, events
             delivered = hook.wait_for(lambda got: event_types(got, [1]) == expected)

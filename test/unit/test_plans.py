@@ -40,6 +40,17 @@ def test_two_ranks_killed_at_once_and_a_stay_step_keeps_them_failed() -> None:
     ]
 
 
+def test_a_failed_launch_rank_below_a_serving_rank_is_removed_then_refilled() -> None:
+    steps = steps_of([[0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0, 1, 2], [0, 1]])
+    assert [(s.kind, list(s.ranks), list(s.active), list(s.failed), list(s.holes))
+            for s in steps[2:]] == [
+        ("kill", [1], [0, 2], [1], []),
+        ("remove", [1], [0, 2], [], [1]),
+        ("recover", [1], [0, 1, 2], [], []),
+        ("shrink", [2], [0, 1], [], []),
+    ]
+
+
 def test_a_plan_killing_a_launch_rank_gets_one_node_per_rank(tmp_path: Path) -> None:
     assert plan_spec(tmp_path, steps_of([[0, 1], [0, -1], [0, 1]])).nodes == 2
     assert plan_spec(tmp_path, steps_of([[0, 1], [0, 1, 2], [0, 1]])).nodes == 1
@@ -75,7 +86,9 @@ def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
     ([[0, 1, 2], [0, -1, 2], [0, 1, 2, 3]], "recover [1] first"),
     ([[0, 1, 2], [0, 1, -2], [0, 1, 2, 3]], "recover [2] first"),
     ([[0, 1, 2], [0, 1, -2], [0, 1]], None),
-    ([[0, 1, 2], [0, 1, -2], [0]], "failed: recover them first"),
+    ([[0, 1, 2], [0, 1, -2], [0]], "failed or removed: recover them first"),
+    ([[0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0, 2, 3]], "[1] are failed or removed"),
+    ([[0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0]], "[1] are failed or removed"),
     ([[0, 1], [0, 1, 3]], "next free slots"),
     ([[0, 1, 2], [0, 2]], "removes the tail"),
     ([[0, 1], [0]], "two ranks"),

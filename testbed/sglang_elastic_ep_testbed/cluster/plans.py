@@ -6,12 +6,16 @@ killed with SIGKILL at that step. ``[[0, 1], [0, 1, 2], [0, 1, -2], [0, 1, 2], [
 to 3, kills the joiner, brings its replacement in, and shrinks back to 2.
 
 Each step is one change, derived from the sets (:func:`steps_of`): ``kill`` (the negative
-ranks), ``recover`` (failed ranks come back: relaunched with ``--ep-join-mode recover``),
-``grow`` (the next free slots: one joiner each, then ``POST /scale_elastic_ep``), ``shrink``
-(the tail: ``POST /scale_elastic_ep``; the released servers exit 0). What the plugin does not
-do yet is refused before the cluster starts, with the reason: a removal other than the tail, a
-killed rank 0 (it hosts the HTTP server), growing while ranks are failed, a failed scale-joined
-tail brought back before the launch-time ranks that failed with it.
+ranks), ``recover`` (failed or removed ranks come back: relaunched with
+``--ep-join-mode recover``), ``grow`` (the next free slots: one joiner each, then
+``POST /scale_elastic_ep``), ``shrink`` (the tail: ``POST /scale_elastic_ep``; the released
+servers exit 0), ``remove`` (the same set again right after a kill of launch-time ranks with a
+serving rank above them: they are removed where they are, ``{"remove_ranks": [...]}``, leaving
+holes that a later ``recover`` refills; otherwise the same set again is ``stay``, and failed
+ranks stay failed). What the plugin does not do yet is refused before the cluster
+starts, with the reason: a removal of live ranks other than the tail, a killed rank 0 (it
+hosts the HTTP server), growing while ranks are failed or removed, a failed scale-joined tail
+brought back before the launch-time ranks that failed with it.
 
 After every step the runner checks what an orchestrator would: the status shows exactly the
 step's set active (killed ranks ``failed``, everything else inactive) and every active shard
@@ -34,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import httpx
+
 from sglang_elastic_ep_testbed.cluster.launcher import ClusterSpec, LocalCluster, ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import (
     LoadClient,
@@ -49,7 +55,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
 )
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_NUM_EXPERTS
 
-StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "stay"]
+StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "remove", "stay"]
 
 
 class PlanError(ValueError):
@@ -65,6 +71,7 @@ class Step:
     ranks: tuple[int, ...]  # the ranks the change concerns (killed, recovered, added, removed)
     active: tuple[int, ...]  # active after the step
     failed: tuple[int, ...]  # killed and not yet recovered after the step
+    holes: tuple[int, ...] = ()  # failed ranks removed where they were, not yet refilled
 
 
 def load_plan(path: Path) -> list[Step]:
@@ -103,7 +110,7 @@ def steps_of(plan: object) -> list[Step]:
 def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) -> Step:
     killed = sorted(-r for r in entry if r < 0)
     active = sorted(r for r in entry if r >= 0)
-    before, failed = set(prev.active), set(prev.failed)
+    before, failed, holes = set(prev.active), set(prev.failed), set(prev.holes)
     if 0 not in active:  # -0 is 0: rank 0 cannot even be written as killed
         raise PlanError(f"step {i}: rank 0 must stay active (it hosts the HTTP server)")
     if killed:
@@ -115,12 +122,18 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
         joiners = [r for r in killed if r >= launch_size]
         if joiners and joiners != list(range(max(before) + 1 - len(joiners), max(before) + 1)):
             raise PlanError(f"step {i}: killed joiners {joiners} must be the active set's tail")
-        return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))))
+        return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))),
+                    prev.holes)
     added, removed = sorted(set(active) - before), sorted(before - set(active))
+    if (not added and not removed and prev.kind == "kill" and failed
+            and max(failed) < min(launch_size, max(active))):
+        # Failed launch-time ranks with a serving rank above them: removed where they are.
+        return Step(i, "remove", tuple(sorted(failed)), tuple(active), (),
+                    tuple(sorted(holes | failed)))
     if added and removed:
         raise PlanError(f"step {i}: one change per step; {added} added and {removed} removed")
     if added:
-        back = [r for r in added if r in failed]
+        back = [r for r in added if r in failed or r in holes]
         if back:
             if back != added:
                 raise PlanError(f"step {i}: recover {back} first, then grow by "
@@ -129,16 +142,19 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
             if still_down and any(r >= launch_size for r in back):
                 raise PlanError(f"step {i}: recover launch-time ranks {still_down} first: the "
                                 f"replacement of a let-go tail {back} waits for them")
-            return Step(i, "recover", tuple(back), tuple(active), tuple(sorted(failed - set(back))))
-        if failed:
-            raise PlanError(f"step {i}: ranks {sorted(failed)} are failed: recover them first")
+            return Step(i, "recover", tuple(back), tuple(active), tuple(sorted(failed - set(back))),
+                        tuple(sorted(holes - set(back))))
+        if failed or holes:
+            raise PlanError(f"step {i}: ranks {sorted(failed | holes)} are failed or removed: "
+                            "recover them first")
         if active != list(range(len(active))):
             raise PlanError(f"step {i}: a scale-up adds the next free slots "
                             f"{list(range(len(before), len(active)))}, not {added}")
         return Step(i, "grow", tuple(added), tuple(active), ())
     if removed:
-        if failed:
-            raise PlanError(f"step {i}: ranks {sorted(failed)} are failed: recover them first")
+        if failed or holes:
+            raise PlanError(f"step {i}: ranks {sorted(failed | holes)} are failed or removed: "
+                            "recover them first")
         if active != list(range(len(active))):
             raise PlanError(f"step {i}: a scale-down removes the tail; {removed} is not "
                             "(rank-explicit removal is not built)")
@@ -146,7 +162,7 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
             raise PlanError(f"step {i}: attention DP needs two ranks; cannot shrink to "
                             f"{len(active)}")
         return Step(i, "shrink", tuple(removed), tuple(active), ())
-    return Step(i, "stay", (), tuple(active), tuple(sorted(failed)))
+    return Step(i, "stay", (), tuple(active), tuple(sorted(failed)), prev.holes)
 
 
 def plan_spec(tiny_model: Path, steps: Sequence[Step], max_ep_size: int = 4,
@@ -236,6 +252,15 @@ class PlanRunner:
                 raise AssertionError(f"released rank {rank}'s server {server.name} exited with "
                                      f"{code}, not 0")
             self.joiners.pop(rank, None)
+
+    def _remove(self, step: Step) -> None:
+        operation_id = f"plan-{step.index}-remove"
+        httpx.post(self.cluster.url + "/scale_elastic_ep",
+                   json={"remove_ranks": list(step.ranks), "operation_id": operation_id},
+                   timeout=60).raise_for_status()
+        done = wait_operation(self.cluster.url, operation_id, CHANGE_S)
+        if done["result"] != "succeeded":
+            raise AssertionError(f"removal of {list(step.ranks)} did not succeed: {done}")
 
     def _stay(self, step: Step) -> None:
         pass
