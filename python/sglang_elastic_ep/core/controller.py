@@ -378,6 +378,18 @@ class ElasticController:
             holds.append(Hold("terminating released ranks before anything else"))
             return Decision(tuple(actions), tuple(holds))
 
+        holes = _holes(status)
+        if holes:
+            # Sizes count ranks 0..n-1: the server refuses every size change until the holes
+            # close, and only their own relaunch closes them.
+            self._policy.decide(self._sample(status, now, busy=True))
+            holds.append(Hold(
+                f"rank(s) {_ranks(holes)} were removed where they were and leave holes; "
+                "relaunch their node with --ep-join-mode recover to refill them (scaling "
+                "waits until then)", {"holes": holes},
+            ))
+            return Decision(tuple(actions), tuple(holds))
+
         if self._regrow(status, now, actions, holds):
             return Decision(tuple(actions), tuple(holds))
 
@@ -528,13 +540,14 @@ class ElasticController:
         ))
 
     def _troubled(self, status: StatusResponse) -> dict[int, str]:
-        size = status.effective_ep_size
-        troubled = {r.rank: "failed" for r in status.ranks
-                    if r.state is RankState.FAILED and r.rank < size}
+        # By rank state, not below the size: removed ranks' holes make the size smaller than
+        # the highest rank.
+        troubled = {r.rank: "failed" for r in status.ranks if r.state is RankState.FAILED}
+        active = {r.rank for r in status.ranks if r.state is RankState.ACTIVE}
         health = self._health
         if health is not None and health.instance_id == status.instance_id:
             for rank in health.ranks:
-                if rank.hard_blocked and rank.rank < size and rank.rank not in troubled:
+                if rank.hard_blocked and rank.rank in active and rank.rank not in troubled:
                     troubled[rank.rank] = "slow (hard-blocked by the health check)"
         return dict(sorted(troubled.items()))
 
@@ -608,8 +621,7 @@ class ElasticController:
                 for rank in span:
                     give_up[rank] = failures
                 continue
-            spec = JoinerSpec(offset, step, JoinMode.RECOVER, attempt_id,
-                              status.effective_ep_size)
+            spec = JoinerSpec(offset, step, JoinMode.RECOVER, attempt_id, _span(status))
             actions.append(Relaunch(
                 spec, failures,
                 f"rank(s) {_ranks(why)} {_what(why)}: relaunch in recover mode "
@@ -718,6 +730,22 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 def _what(why: Mapping[int, str]) -> str:
     return " / ".join(sorted(set(why.values())))
+
+
+_MANAGED = (RankState.ACTIVE, RankState.FAILED, RankState.LEAVING)
+
+
+def _span(status: StatusResponse) -> int:
+    """The EP size the ranks are laid out in: the highest managed rank + 1 (the effective
+    size, unless removed ranks leave holes below it)."""
+    return max((r.rank + 1 for r in status.ranks if r.state in _MANAGED),
+               default=status.effective_ep_size)
+
+
+def _holes(status: StatusResponse) -> list[int]:
+    """Ranks removed where they were (not managed, with a managed rank above them)."""
+    managed = {r.rank for r in status.ranks if r.state in _MANAGED}
+    return [r.rank for r in status.ranks if r.rank < _span(status) - 1 and r.rank not in managed]
 
 
 def _troubled_inputs(troubled: Mapping[int, str]) -> dict[str, str]:

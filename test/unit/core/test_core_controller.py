@@ -73,15 +73,16 @@ def op(op_id: str, old: int, new: int, *, result: str = "running", at: float = 0
 
 def status(size: int, *, failed: Iterable[int] = (), safe: Iterable[int] = (),
            current: OperationStatus | None = None, recent: Sequence[OperationStatus] = (),
-           max_size: int = 8, instance: str = INST) -> StatusResponse:
+           max_size: int = 8, instance: str = INST,
+           removed: Iterable[int] = ()) -> StatusResponse:
     pending = current.new_ep_size if current and current.new_ep_size > size else None
     leaving = range(current.new_ep_size, size) if current and current.new_ep_size < size else ()
     m = Membership(max_size=max_size, effective_size=size, pending_size=pending,
                    failed=frozenset(failed), leaving=frozenset(leaving),
-                   safe_to_terminate=frozenset(safe))
+                   safe_to_terminate=frozenset(safe), removed=frozenset(removed))
     return StatusResponse(
         instance_id=instance, phase=current.phase if current else Phase.IDLE,
-        effective_ep_size=size, pending_ep_size=pending, max_ep_size=max_size,
+        effective_ep_size=m.serving_size, pending_ep_size=pending, max_ep_size=max_size,
         ranks=m.rank_statuses(), safe_to_terminate_ranks=sorted(m.safe_to_terminate),
         current_operation=current, recent_operations=list(recent),
     )
@@ -329,6 +330,22 @@ def test_no_autoscaling_while_a_rank_is_failed() -> None:
     c = ElasticController(config(heal=False))
     decision = step(c, 100, status(3, failed=[2]), load=HOT)
     assert decision.actions == () and "--no-heal" in decision.holds[0].reason
+
+
+def test_a_hole_holds_scaling_until_its_relaunch_refills_it() -> None:
+    c = ElasticController(config())
+    decision = step(c, 100, status(3, removed=[1], safe=[1]), load=HOT)
+    assert decision.actions == (), decision
+    assert "rank(s) 1 were removed where they were" in decision.holds[0].reason
+    assert "--ep-join-mode recover" in decision.holds[0].reason
+
+
+def test_a_rank_above_a_hole_that_fails_is_still_healed() -> None:
+    c = ElasticController(config(launch_size=2))
+    decision = step(c, 100, status(3, removed=[1], failed=[2]))
+    relaunch = only(decision, Relaunch)
+    assert relaunch.spec.rank_offset == 2 and relaunch.spec.mode is JoinMode.RECOVER
+    assert relaunch.spec.ep_size == 3  # the size it rejoins into counts the hole's slot
 
 
 def test_a_replacement_that_dies_before_rejoining_counts_as_a_failure() -> None:
