@@ -229,12 +229,18 @@ class PlanRunner:
 
     def _recover(self, step: Step) -> None:
         launch = len(self.steps[0].active)
-        for rank in step.ranks:
-            if rank < launch and rank not in self.joiners:  # a refilled launch slot is a joiner's
-                self.cluster.start_node(rank, recover=True)
-            else:
-                self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
+        # A refilled launch slot is a joiner's.
+        nodes = [r for r in step.ranks if r < launch and r not in self.joiners]
+        # Launch-time ranks first, all at once: the survivors take them back together, once
+        # every replacement is in WORLD. Then the joiners, one at a time.
+        for rank in nodes:
+            self.cluster.start_node(rank, recover=True)
+        for rank in nodes:
             self._wait_state(rank, "active", CHANGE_S)
+        for rank in step.ranks:
+            if rank not in nodes:
+                self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
+                self._wait_state(rank, "active", CHANGE_S)
 
     def _grow(self, step: Step) -> None:
         for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
