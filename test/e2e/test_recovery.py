@@ -16,7 +16,9 @@ place at 3 ranks while the scale-joined rank 2 serves on. The steps are the phas
 A second test kills node 1 and the scale joiner together (``kill_a_node_and_its_joiner_together``)
 and brings both back. A third shrinks a three-node deployment below its launch size, kills and
 recovers a launch-time node at the smaller size, and refills the released launch slot with a
-joiner (``shrink_then_recover_a_launch_node_then_refill``).
+joiner (``shrink_then_recover_a_launch_node_then_refill``). A fourth, outside the default
+suite (``long``), kills two launch-time nodes at once after a scale-up and brings both back
+(``kill_two_launch_nodes_at_once``).
 """
 
 from __future__ import annotations
@@ -173,3 +175,30 @@ def test_a_launch_node_recovers_after_a_shrink_and_its_released_slot_is_refilled
         primary_log = cluster.primary.log_path.read_text(errors="replace")
         assert "ranks [2] joined by scale-up (new slots)" in primary_log
         assert read_status(cluster.url)["effective_ep_size"] == 3
+
+
+TWO_AT_ONCE = Path(__file__).parents[1] / "plans" / "kill_two_launch_nodes_at_once.json"
+
+
+@pytest.mark.long
+@pytest.mark.timeout(2400)
+def test_two_launch_nodes_killed_at_once_after_a_scale_both_rejoin(tiny_model: Path) -> None:
+    """The plan [[0, 1, 2], [0, 1, 2, 3], [0, -1, -2, 3], [0, 1, 2, 3]] on three nodes: after a
+    scale-up to 4, launch-time nodes 1 and 2 are killed together while the scale joiner serves
+    on; both are relaunched in recover mode at once, the survivors (rank 3 too) wait until both
+    replacements are in WORLD and take them back on one agreed pass, at 4 ranks. About 14
+    minutes on 2 cores (four ranks), hence ``long``."""
+    steps = load_plan(TWO_AT_ONCE)
+    spec = plan_spec(tiny_model, steps)
+    assert spec.nodes == 3
+    with LocalCluster(spec) as cluster:
+        runner = run_plan(cluster, steps)
+        survivor_log = cluster.primary.log_path.read_text(errors="replace")
+        assert "launch-time ranks [1, 2] rejoined: serving on 4 ranks again" in survivor_log
+        joiner_log = runner.joiners[3].log_path.read_text(errors="replace")
+        assert "launch-time ranks [1, 2] rejoined: serving on 4 ranks again" in joiner_log
+        for node in (1, 2):
+            log = cluster.followers[node].log_path.read_text(errors="replace")
+            assert f"rank {node} rejoins at the size the survivors serve on: 4 ranks (launched " \
+                "at 3)" in log
+        assert read_status(cluster.url)["effective_ep_size"] == 4
