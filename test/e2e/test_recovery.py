@@ -9,8 +9,9 @@ serves on the recovered shard again, and every completed request decoded the ref
 Then the same on the same cluster after a scale-up to 3 (upstream answers
 ``recovery_unsupported`` there): node 1 is killed again, and this time the operator removes it
 where it is (``{"remove_ranks": [1]}``: the cluster serves on ranks [0, 2], not degraded, and
-rank 1 is safe to terminate); later its relaunch, with the same arguments, refills the slot in
-place at 3 ranks while the scale-joined rank 2 serves on. The steps are the phase plan
+rank 1 is safe to terminate); later a scale-up to 3 refills the hole: its relaunch, with the
+same arguments, rejoins in place at 3 ranks while the scale-joined rank 2 serves on, and the
+operation commits. The steps are the phase plan
 ``test/plans/kill_a_node_and_recover_it.json``.
 
 A second test kills node 1 and the scale joiner together (``kill_a_node_and_its_joiner_together``)
@@ -75,11 +76,13 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             assert metric(url, "sglang:elastic_ep_failed_ranks") == 0.0
             health = httpx.get(url + "/elastic_ep/health", timeout=30).json()
             assert [r["rank"] for r in health["ranks"]] == [0, 2], health
-            refused = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3}, timeout=30)
+            refused = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=30)
             assert refused.status_code == 409, refused.text
             assert refused.json()["reason"] == "removed_ranks_present", refused.text
         elif step.kind == "recover":
-            assert current["phase"] == "serving_recovered", current
+            refilled = steps[step.index - 1].kind == "remove"  # by a scale-up to 3
+            assert current["phase"] == ("serving_expanded" if refilled
+                                        else "serving_recovered"), current
             assert current["effective_ep_size"] == len(step.active), current
 
     try:
@@ -112,7 +115,7 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             expected = ["rank_failed", "recovery_required", "rank_recovered",
                         "rank_failed", "recovery_required",
                         "scale_requested", "scale_committed", "safe_to_terminate",
-                        "rank_recovered"]
+                        "scale_requested", "rank_recovered", "scale_committed"]
             events = sse_events(url)
             assert event_types(events, [1]) == expected, events
             delivered = hook.wait_for(lambda got: event_types(got, [1]) == expected)

@@ -52,7 +52,7 @@ from sglang_elastic_ep.core.stall import describe_positions
 from sglang_elastic_ep.core.validation import (
     ScaleTopology,
     ScaleVerdict,
-    refusal_while_holes,
+    judge_with_holes,
     resolve_removal,
     validate_scale,
 )
@@ -147,6 +147,7 @@ class InProcessControlPlane:
         self._canceller = canceller
         self._cancelling: set[str] = set()  # running operations a DELETE is calling off
         self._holes_removed: set[str] = set()  # started removals of failed ranks below the tail
+        self._hole_refills: set[str] = set()  # running scale-ups into removed ranks' holes
         self._clock = clock
         self._events = events or EventLog(self._instance_id, capacity=event_capacity, clock=clock)
         if self._events.instance_id != self._instance_id:
@@ -221,6 +222,10 @@ class InProcessControlPlane:
             done = self.finish_operation(op.operation_id)
             return ScaleAnswer(status=answer.status, started=True, response=answer.response
                                .model_copy(update={"phase": done.phase}))
+        if op.operation_id in self._hole_refills:
+            # The schedulers take the relaunched ranks back in place by themselves; the
+            # operation commits when the HTTP process sees them serve (report_rank_recovered).
+            return answer
         if self._engine is None:
             return answer
         try:
@@ -279,13 +284,16 @@ class InProcessControlPlane:
                         operation_id=request.operation_id, reason=resolved.reason)
                     return refusal
         if verdict is None:
-            verdict = refusal_while_holes(request.target_ep_size, current, m.removed) \
+            verdict = judge_with_holes(request.target_ep_size, current, m.removed) \
                 or validate_scale(request.target_ep_size, current_size=current,
                                   topology=self._topology, failed_ranks=m.failed)
         admission = self._registry.admit(request, verdict, current_size=current)
-        if admission.started and verdict.leaves_holes:
+        if admission.started:
             assert admission.operation is not None
-            self._holes_removed.add(admission.operation.operation_id)
+            if verdict.leaves_holes:
+                self._holes_removed.add(admission.operation.operation_id)
+            if verdict.refills_holes:
+                self._hole_refills.add(admission.operation.operation_id)
         return admission
 
     async def cancel_operation(self, operation_id: str, *,
@@ -305,6 +313,14 @@ class InProcessControlPlane:
         if refusal is not None:
             return answer(refusal[0], False, refusal[1])
         assert known is not None
+        if operation_id in self._hole_refills:  # nothing was sent to the schedulers
+            self._cancelling.add(operation_id)
+            self.finish_operation(operation_id, error="cancelled before the removed ranks "
+                                  "rejoined")
+            return answer(int(HTTPStatus.OK), True,
+                          f"operation {operation_id} is cancelled; EP size stays "
+                          f"{known.old_ep_size}, and ranks {list(known.ranks)} stay removed "
+                          "(a relaunch of them still rejoins in place)")
         if self._canceller is None:
             return answer(int(HTTPStatus.NOT_IMPLEMENTED), False,
                           "this server has no engine to cancel with")
@@ -445,6 +461,8 @@ class InProcessControlPlane:
         self._cancelling.discard(operation_id)
         leaves_holes = operation_id in self._holes_removed
         self._holes_removed.discard(operation_id)
+        refills_holes = operation_id in self._hole_refills
+        self._hole_refills.discard(operation_id)
         with self._lock:
             op = self._registry.finish(operation_id, error=error, failed_in=failed_in,
                                        cancelled=cancelled)
@@ -461,6 +479,8 @@ class InProcessControlPlane:
             if error is None and leaves_holes:
                 m = replace(m, leaving=frozenset(), failed=m.failed - frozenset(op.ranks),
                             removed=m.removed | frozenset(op.ranks))
+            elif refills_holes:  # the ranks left ``removed`` as they rejoined
+                m = replace(m, pending_size=None)
             elif error is None and op.kind is OperationKind.SCALE_UP:
                 m = replace(m, effective_size=op.new_ep_size, pending_size=None)
             elif error is None and op.kind is OperationKind.SCALE_DOWN:
@@ -576,7 +596,13 @@ class InProcessControlPlane:
                 self._health.clear(rank)
             if not self._membership.failed_in_range():
                 self._recovery_phase = Phase.SERVING_RECOVERED
+            refill = self._registry.current
+            refilled = (refill is not None and refill.operation_id in self._hole_refills
+                        and not set(refill.ranks) & self._membership.removed)
         self._events.emit(RankRecoveredEvent, operation_id=operation_id, ranks=recovered)
+        if refilled:
+            assert refill is not None
+            self.finish_operation(refill.operation_id)
         self.refresh_metrics()
 
     def report_recovery_phase(self, phase: Phase | None) -> None:

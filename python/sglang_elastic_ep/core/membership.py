@@ -44,8 +44,8 @@ class Membership:
             return RankState.FAILED
         if rank in self.leaving:
             return RankState.LEAVING
-        if rank in self.removed:
-            return RankState.INACTIVE
+        if rank in self.removed:  # a hole; pending while a scale-up refills it
+            return RankState.INACTIVE if self.pending_size is None else RankState.PENDING
         if rank < self.effective_size:
             return RankState.ACTIVE
         if self.pending_size is not None and rank < self.pending_size:

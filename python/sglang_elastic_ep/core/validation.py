@@ -7,8 +7,9 @@ Decisions:
   [target, current). A rank-explicit removal (``remove_ranks``) must name that tail, except
   for failed launch-time ranks: those may be removed anywhere. Nothing moves (they serve
   nothing already); their slots become holes, which a relaunch with
-  ``--elastic-ep-join-mode recover`` refills. While a hole is open, no other size change is
-  accepted: the tail arithmetic of sizes would not say which slots change.
+  ``--elastic-ep-join-mode recover`` refills (a scale-up adds the holes first). While a hole is
+  open, no other size change is accepted: the tail arithmetic of sizes would not say which
+  slots change.
 - A size must be a whole number of attention replicas (upstream Scheduler rule:
   ``new_ep_size % (attn_tp_size * attn_cp_size) == 0``).
 - While a rank inside the current size has failed, scale-up is refused (409), and the only
@@ -72,6 +73,8 @@ class ScaleVerdict:
     reason: RejectionReason | None = None
     # A removal of failed ranks below the tail: they leave holes, and no rank or expert moves.
     leaves_holes: bool = False
+    # A scale-up into removed ranks' holes: their relaunches rejoin in place.
+    refills_holes: bool = False
 
 
 def _refuse(status: HTTPStatus, reason: RejectionReason, message: str) -> ScaleVerdict:
@@ -154,20 +157,33 @@ def _replica(rank: int, attn_replica_size: int) -> range:
     return range(first, first + attn_replica_size)
 
 
-def refusal_while_holes(target: int, serving_size: int,
-                        removed: Iterable[int]) -> ScaleVerdict | None:
-    """Why a size change cannot start while removed ranks leave holes (None: no holes, or
-    ``target`` is the size served now). A hole is refilled by relaunching its rank, not by a
-    size: which slots a size adds or removes is defined for a prefix of ranks only."""
+def judge_with_holes(target: int, serving_size: int,
+                     removed: Iterable[int]) -> ScaleVerdict | None:
+    """The verdict on a size while removed ranks leave holes (None: no holes, or ``target``
+    is the size served now). A scale-up adds the next free slots, and holes come first: it
+    refills the lowest holes (``refills_holes``), and the operation commits once their ranks'
+    relaunches rejoin in place. Any other size waits for the holes to close: which slots a
+    size removes, or adds past them, is defined for ranks 0..n-1 only."""
     holes = sorted(removed)
     if not holes or target == serving_size:
         return None
+    if serving_size < target <= serving_size + len(holes):
+        refill = tuple(holes[: target - serving_size])
+        return ScaleVerdict(
+            ok=True, status=int(HTTPStatus.OK), direction=ScaleDirection.UP,
+            joining_ranks=refill, refills_holes=True,
+            message=(f"Scaling initiated from {serving_size} to {target}: refilling the holes "
+                     f"of removed ranks {_ranks(refill)}; relaunch them with "
+                     "--elastic-ep-join-mode recover (they rejoin in place), and the "
+                     "operation commits when they serve"),
+        )
+    full = serving_size + len(holes)
     return _refuse(
         HTTPStatus.CONFLICT, RejectionReason.REMOVED_RANKS_PRESENT,
         f"removed ranks {_ranks(holes)} leave holes in the active ranks, and a size change "
-        f"is defined for ranks 0..n-1 only; refill the holes first by relaunching ranks "
-        f"{_ranks(holes)} with --elastic-ep-join-mode recover (they rejoin in place and the "
-        f"size returns to {serving_size + len(holes)}), then retry",
+        f"is defined for ranks 0..n-1 only; refill the holes first (new_ep_size {full}, then "
+        f"relaunch ranks {_ranks(holes)} with --elastic-ep-join-mode recover: they rejoin in "
+        "place), then retry",
     )
 
 

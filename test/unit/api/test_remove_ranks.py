@@ -96,12 +96,12 @@ def test_a_failed_launch_rank_below_the_tail_is_removed_then_its_relaunch_refill
     assert again.status_code == 200 and again.json()["replayed"] is True, again.text
 
     # The hole stays out of every size change until it is refilled; the same size is a no-op.
-    for request in ({"new_ep_size": 3}, {"new_ep_size": 1}, {"remove_ranks": [2]}):
+    for request in ({"new_ep_size": 4}, {"new_ep_size": 1}, {"remove_ranks": [2]}):
         refused = client.post("/scale_elastic_ep", json=request)
         assert refused.status_code == 409, refused.text
         assert refused.json()["reason"] == "removed_ranks_present", refused.text
-        assert "relaunching ranks [1] with --elastic-ep-join-mode recover" in \
-            refused.json()["message"]
+        assert "new_ep_size 3, then relaunch ranks [1] with --elastic-ep-join-mode recover" \
+            in refused.json()["message"]
     assert client.post("/scale_elastic_ep", json={"new_ep_size": 2}).status_code == 200
     plane.observe_rank_liveness([1], reason="still down")  # not failed again: it was removed
     assert _types_for(plane, [1])[-1] == "safe_to_terminate"
@@ -143,3 +143,50 @@ def test_a_hole_takes_whole_attention_replicas() -> None:
     whole = client.post("/scale_elastic_ep", json={"remove_ranks": [2, 3]})
     assert whole.status_code == 200, whole.text
     assert client.get("/elastic_ep/status").json()["effective_ep_size"] == 4
+
+
+def _removed_rank_1() -> tuple[TestClient, FakeEngine, object]:
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=3, launch_size=2, max_ep_size=4)
+    client = TestClient(make_app(plane))
+    plane.observe_rank_liveness([1], reason="killed")
+    assert client.post("/scale_elastic_ep", json={"remove_ranks": [1]}).status_code == 200
+    return client, engine, plane
+
+
+def test_a_scale_up_refills_the_hole_first_and_commits_when_its_relaunch_serves() -> None:
+    client, engine, plane = _removed_rank_1()
+    answer = client.post("/scale_elastic_ep", json={"new_ep_size": 3, "operation_id": "fill"})
+    assert answer.status_code == 200, answer.text
+    assert "refilling the holes of removed ranks [1]" in answer.json()["message"]
+    assert engine.ops == []  # the relaunch rejoins by itself: nothing to send
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["pending_ep_size"]) == (2, 3), status
+    assert _states(client) == ["active", "pending", "active", "inactive"]
+    assert status["current_operation"]["operation_id"] == "fill"
+
+    plane.observe_rank_liveness([], reason="")  # the relaunch rejoined in place
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["pending_ep_size"], status["phase"]) == \
+        (3, None, "serving_expanded"), status
+    assert status["recent_operations"][0]["result"] == "succeeded"
+    assert _types_for(plane, [1])[-3:] == ["scale_requested", "rank_recovered",
+                                           "scale_committed"]
+    assert _states(client) == ["active", "active", "active", "inactive"]
+
+
+def test_a_refill_is_cancelled_at_once_and_the_hole_stays() -> None:
+    client, engine, plane = _removed_rank_1()
+    assert client.post("/scale_elastic_ep",
+                       json={"new_ep_size": 3, "operation_id": "fill"}).status_code == 200
+    cancelled = client.delete("/scale_elastic_ep/fill")
+    assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True, cancelled.text
+    again = client.delete("/scale_elastic_ep/fill")
+    assert again.status_code == 200 and again.json()["cancelled"] is True, again.text
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["pending_ep_size"]) == (2, None), status
+    assert _states(client) == ["active", "safe_to_terminate", "active", "inactive"]
+    assert _types_for(plane, [1])[-2:] == ["scale_cancelled", "safe_to_terminate"]
+    plane.observe_rank_liveness([], reason="")  # a relaunch still rejoins in place
+    assert client.get("/elastic_ep/status").json()["effective_ep_size"] == 3
+    assert engine.ops == []

@@ -11,7 +11,8 @@ ranks), ``recover`` (failed or removed ranks come back: relaunched with
 ``POST /scale_elastic_ep``), ``shrink`` (the tail: ``POST /scale_elastic_ep``; the released
 servers exit 0), ``remove`` (the same set again right after a kill of launch-time ranks with a
 serving rank above them: they are removed where they are, ``{"remove_ranks": [...]}``, leaving
-holes that a later ``recover`` refills; otherwise the same set again is ``stay``, and failed
+holes that a later ``recover`` refills: ``POST /scale_elastic_ep`` to the size with them,
+then their relaunches; otherwise the same set again is ``stay``, and failed
 ranks stay failed). What the plugin does not do yet is refused before the cluster
 starts, with the reason: a removal of live ranks other than the tail, a killed rank 0 (it
 hosts the HTTP server), growing while ranks are failed or removed, a failed scale-joined tail
@@ -229,6 +230,12 @@ class PlanRunner:
 
     def _recover(self, step: Step) -> None:
         launch = len(self.steps[0].active)
+        prev = self.steps[step.index - 1]
+        holes = [r for r in step.ranks if r in prev.holes]
+        refill = f"plan-{step.index}-refill"
+        if holes:  # a scale-up adds the holes first; it commits when their relaunches serve
+            size = len(prev.active) + len(prev.failed) + len(holes)
+            post_scale(self.cluster.url, size, refill)
         # A refilled launch slot is a joiner's.
         nodes = [r for r in step.ranks if r < launch and r not in self.joiners]
         # Launch-time ranks first, all at once: the survivors take them back together, once
@@ -241,6 +248,10 @@ class PlanRunner:
             if rank not in nodes:
                 self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
                 self._wait_state(rank, "active", CHANGE_S)
+        if holes:
+            done = wait_operation(self.cluster.url, refill, CHANGE_S)
+            if done["result"] != "succeeded":
+                raise AssertionError(f"the refill of {holes} did not succeed: {done}")
 
     def _grow(self, step: Step) -> None:
         for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
