@@ -83,6 +83,11 @@ def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
     ([[0, 1], [0, 1, 2], [0, 1]], None),
     ([[0, 1, 2], [0, 1], [0, 1, 2]], None),  # a released launch slot refilled by a joiner
     ([[0, 1], [0, 2]], "one change per step"),
+    # A refilled launch slot holds a joiner: killed, it is held to the joiners' tail rule.
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, -2]], None),
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3]], "tail"),
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, -1, 2, 3], [0, 2, 3]], None),
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, -1, -2], [0, 2]], "recover launch-time ranks [1]"),
     ([[0, 1, 2], [0, -1, 2], [0, 1, 2, 3]], "recover [1] first"),
     ([[0, 1, 2], [0, 1, -2], [0, 1, 2, 3]], "recover [2] first"),
     ([[0, 1, 2], [0, 1, -2], [0, 1]], None),

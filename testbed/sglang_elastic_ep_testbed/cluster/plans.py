@@ -99,16 +99,19 @@ def steps_of(plan: object) -> list[Step]:
     if launch != list(range(len(launch))) or len(launch) < 2:
         raise PlanError(f"step 0: the launch set must be ranks 0..n-1 with n >= 2, got {sets[0]}")
     steps = [Step(0, "launch", tuple(launch), tuple(launch), ())]
-    scaled = False
+    # Slots held by scale joiners: every slot a grow adds, a released launch slot too.
+    joined: set[int] = set()
     for i, entry in enumerate(sets[1:], start=1):
-        prev = steps[-1]
-        step = _step(i, entry, prev, len(launch), scaled)
-        scaled = scaled or step.kind in ("grow", "shrink")
+        step = _step(i, entry, steps[-1], frozenset(joined))
+        if step.kind == "grow":
+            joined.update(step.ranks)
+        elif step.kind == "shrink":
+            joined.difference_update(step.ranks)
         steps.append(step)
     return steps
 
 
-def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) -> Step:
+def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
     killed = sorted(-r for r in entry if r < 0)
     active = sorted(r for r in entry if r >= 0)
     before, failed, holes = set(prev.active), set(prev.failed), set(prev.holes)
@@ -120,14 +123,14 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
         if set(active) != before - set(killed):
             raise PlanError(f"step {i}: a kill step only kills: expected the others "
                             f"{sorted(before - set(killed))} active, got {active}")
-        joiners = [r for r in killed if r >= launch_size]
+        joiners = [r for r in killed if r in joined]
         if joiners and joiners != list(range(max(before) + 1 - len(joiners), max(before) + 1)):
             raise PlanError(f"step {i}: killed joiners {joiners} must be the active set's tail")
         return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))),
                     prev.holes)
     added, removed = sorted(set(active) - before), sorted(before - set(active))
     if (not added and not removed and prev.kind == "kill" and failed
-            and max(failed) < min(launch_size, max(active))):
+            and not failed & joined and max(failed) < max(active)):
         # Failed launch-time ranks with a serving rank above them: removed where they are.
         return Step(i, "remove", tuple(sorted(failed)), tuple(active), (),
                     tuple(sorted(holes | failed)))
@@ -139,8 +142,8 @@ def _step(i: int, entry: list[int], prev: Step, launch_size: int, scaled: bool) 
             if back != added:
                 raise PlanError(f"step {i}: recover {back} first, then grow by "
                                 f"{sorted(set(added) - failed)}")
-            still_down = sorted(r for r in failed - set(back) if r < launch_size)
-            if still_down and any(r >= launch_size for r in back):
+            still_down = sorted(r for r in failed - set(back) if r not in joined)
+            if still_down and any(r in joined for r in back):
                 raise PlanError(f"step {i}: recover launch-time ranks {still_down} first: the "
                                 f"replacement of a let-go tail {back} waits for them")
             return Step(i, "recover", tuple(back), tuple(active), tuple(sorted(failed - set(back))),
