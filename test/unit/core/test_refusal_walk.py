@@ -19,6 +19,7 @@ import pytest
 from sglang_elastic_ep.core.validation import (
     ScaleTopology,
     ScaleVerdict,
+    judge_with_holes,
     resolve_removal,
     validate_scale,
 )
@@ -91,3 +92,22 @@ def test_the_walk_sees_each_kind_of_suggestion() -> None:
     holes = validate_scale(8, current_size=6, topology=ScaleTopology(max_ep_size=8,
                            launch_size=6), failed_ranks=[1]).message
     assert REMOVAL.search(holes), holes
+
+
+def test_refusals_while_holes_are_open_name_the_refill_that_is_accepted() -> None:
+    """While removed ranks leave holes, every refused size names the size that refills them,
+    and that size is accepted (a scale-up into the holes)."""
+    walked = 0
+    for serving in range(2, 7):
+        for holes in itertools.chain.from_iterable(
+                itertools.combinations(range(1, serving + 2), k) for k in (1, 2)):
+            for target in range(1, serving + len(holes) + 3):
+                verdict = judge_with_holes(target, serving, holes)
+                if verdict is None or verdict.ok:
+                    continue
+                walked += 1
+                (size,) = map(int, re.findall(r"new_ep_size (\d+)", verdict.message))
+                again = judge_with_holes(size, serving, holes)
+                assert again is not None and again.ok and again.refills_holes, \
+                    (serving, holes, target, verdict.message)
+    assert walked > 0
