@@ -87,6 +87,7 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 def resolve_removal(ranks: Iterable[int], current_size: int, *,
                     failed: Iterable[int] = (), launch_size: int | None = None,
+                    joined: Iterable[int] = (),
                     attn_replica_size: int = 1) -> int | ScaleVerdict:
     """``remove_ranks`` as the size it leaves (the tail of ``current_size``), or as an
     accepted removal of failed launch-time ranks below the tail (``leaves_holes``), or why it
@@ -94,7 +95,8 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     upstream's DP attention count the serving ranks from 0. A failed launch-time rank serves
     nothing already, so removing it moves nothing; a relaunch with
     ``--elastic-ep-join-mode recover`` refills its slot later (any launch-time rank can
-    rejoin in place)."""
+    rejoin in place). Launch-time ranks are those below ``launch_size`` that no scale joiner
+    holds now (``joined``: a launch-time slot a shrink released and a scale-up refilled)."""
     named = sorted(set(ranks))
     unknown = [r for r in named if r >= current_size]
     if unknown:
@@ -116,7 +118,8 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
         return current_size - len(named)
     down = frozenset(failed)
     launch = current_size if launch_size is None else launch_size
-    if set(named) <= down and max(named) < launch:
+    joiners = frozenset(joined) | frozenset(range(launch, current_size))
+    if set(named) <= down and not set(named) & joiners:
         split = sorted({r // attn_replica_size for r in named
                         if any(p not in named for p in _replica(r, attn_replica_size))})
         if split:
@@ -137,10 +140,10 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
         )
     holes = sorted(set(range(current_size)) - set(named))
     live = [r for r in named if r not in down]
-    joined = [r for r in named if r in down and r >= launch]
+    joined_ = [r for r in named if r in down and r in joiners]
     why = (f"ranks {_ranks(live)} are live, and live ranks leave from the tail only"
            if live else
-           f"ranks {_ranks(joined)} joined by scale-up, and only failed launch-time ranks "
+           f"ranks {_ranks(joined_)} joined by scale-up, and only failed launch-time ranks "
            "can be removed below the tail")
     return _refuse(
         HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
@@ -193,15 +196,19 @@ def validate_scale(
     current_size: int,
     topology: ScaleTopology,
     failed_ranks: Iterable[int] = (),
+    joined_launch_slots: Iterable[int] = (),
 ) -> ScaleVerdict:
     """Decide whether scaling from ``current_size`` to ``target`` may start now. A refusal
-    names only sizes that would be accepted in the same state."""
+    names only sizes (and removals) that would be accepted in the same state;
+    ``joined_launch_slots``: slots below the launch size that scale joiners hold now."""
     failed = frozenset(r for r in failed_ranks if 0 <= r < current_size)
+    joined = frozenset(joined_launch_slots)
 
     def accepted(size: int) -> bool:
-        return size != current_size and _judge(size, current_size, topology, failed, None).ok
+        return size != current_size and \
+            _judge(size, current_size, topology, failed, joined, None).ok
 
-    return _judge(target, current_size, topology, failed, accepted)
+    return _judge(target, current_size, topology, failed, joined, accepted)
 
 
 def _judge(
@@ -209,6 +216,7 @@ def _judge(
     current_size: int,
     topology: ScaleTopology,
     failed: frozenset[int],
+    joined: frozenset[int],
     accepted: Callable[[int], bool] | None,
 ) -> ScaleVerdict:
     """The verdict; ``accepted`` (None while judging a hint itself) filters the sizes a
@@ -270,7 +278,7 @@ def _judge(
         remove_hint = (
             f", or remove them by scaling down to {removal_target}"
             if removal_target is not None
-            else _hole_removal_hint(failed, current_size, topology)
+            else _hole_removal_hint(failed, current_size, topology, joined)
         )
         return _refuse(
             HTTPStatus.CONFLICT,
@@ -280,7 +288,7 @@ def _judge(
             "then scale up",
         )
     if failed and removable != failed:
-        holes = _hole_removal_hint(failed, current_size, topology)
+        holes = _hole_removal_hint(failed, current_size, topology, joined)
         fix = (
             f"scale down to exactly {removal_target}"
             if removal_target is not None
@@ -321,13 +329,13 @@ def _judge(
     )
 
 
-def _hole_removal_hint(failed: frozenset[int], current_size: int,
-                       topology: ScaleTopology) -> str:
+def _hole_removal_hint(failed: frozenset[int], current_size: int, topology: ScaleTopology,
+                       joined: frozenset[int]) -> str:
     """How to remove ``failed`` where they are (holes), when that is accepted; else ""."""
     if not failed:
         return ""
     accepted = resolve_removal(failed, current_size, failed=failed,
-                               launch_size=topology.launch_size,
+                               launch_size=topology.launch_size, joined=joined,
                                attn_replica_size=topology.attn_replica_size)
     if isinstance(accepted, ScaleVerdict) and accepted.leaves_holes:
         return f', or remove them where they are: {{"remove_ranks": {_ranks(failed)}}}'

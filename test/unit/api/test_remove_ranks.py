@@ -190,3 +190,24 @@ def test_a_refill_is_cancelled_at_once_and_the_hole_stays() -> None:
     plane.observe_rank_liveness([], reason="")  # a relaunch still rejoins in place
     assert client.get("/elastic_ep/status").json()["effective_ep_size"] == 3
     assert engine.ops == []
+
+
+def test_a_launch_slot_refilled_by_a_joiner_is_no_launch_time_rank() -> None:
+    """Launched at 4, shrunk to 2 and grown back to 4 with joiners: slots 2 and 3 are scale
+    joiners' now, so a failed rank 2 cannot become a hole (it has no in-place rejoin)."""
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=4, launch_size=4, max_ep_size=4)
+    client = TestClient(make_app(plane))
+    for size, op_id in ((2, "down"), (4, "up")):
+        assert client.post("/scale_elastic_ep", json={"new_ep_size": size,
+                                                      "operation_id": op_id}).status_code == 200
+        plane.finish_operation(op_id)
+    plane.observe_rank_liveness([1, 2], reason="killed")
+    refused = client.post("/scale_elastic_ep", json={"remove_ranks": [1, 2]})
+    assert refused.status_code == 422, refused.text
+    assert "ranks [2] joined by scale-up" in refused.json()["message"]
+    shrink = client.post("/scale_elastic_ep", json={"new_ep_size": 3})  # no removal offered
+    assert shrink.json()["reason"] == "must_remove_failed_ranks", shrink.text
+    assert "remove_ranks" not in shrink.json()["message"]
+    assert client.post("/scale_elastic_ep", json={"remove_ranks": [1]}).status_code == 200
+    assert _states(client) == ["active", "safe_to_terminate", "failed", "active"]
