@@ -12,11 +12,11 @@ ranks), ``recover`` (failed or removed ranks come back: relaunched with
 servers exit 0), ``remove`` (the same set again right after a kill of launch-time ranks with a
 serving rank above them: they are removed where they are, ``{"remove_ranks": [...]}``, leaving
 holes that a later ``recover`` refills: ``POST /scale_elastic_ep`` to the size with them,
-then their relaunches; otherwise the same set again is ``stay``, and failed
-ranks stay failed). What the plugin does not do yet is refused before the cluster
-starts, with the reason: a removal of live ranks other than the tail, a killed rank 0 (it
-hosts the HTTP server), growing while ranks are failed or removed, a failed scale-joined tail
-brought back before the launch-time ranks that failed with it.
+then their relaunches; otherwise the same set again is ``stay``, and failed ranks stay
+failed). What the plugin does not do yet is refused before the cluster starts, with the
+reason: a removal of live ranks other than the tail, a killed rank 0 (it hosts the HTTP
+server), growing while ranks are failed or removed, a failed scale-joined tail brought back
+before the launch-time ranks that failed with it.
 
 After every step the runner checks what an orchestrator would: the status shows exactly the
 step's set active (killed ranks ``failed``, everything else inactive) and every active shard
@@ -161,7 +161,7 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
                             "recover them first")
         if active != list(range(len(active))):
             raise PlanError(f"step {i}: a scale-down removes the tail; {removed} is not "
-                            "(rank-explicit removal is not built)")
+                            "(removing live ranks below the tail is not built)")
         if len(active) < 2:
             raise PlanError(f"step {i}: attention DP needs two ranks; cannot shrink to "
                             f"{len(active)}")
