@@ -148,9 +148,9 @@ class InProcessControlPlane:
         self._cancelling: set[str] = set()  # running operations a DELETE is calling off
         self._holes_removed: set[str] = set()  # started removals of failed ranks below the tail
         self._hole_refills: set[str] = set()  # running scale-ups into removed ranks' holes
-        # Slots below the launch size that scale joiners hold now (a shrink released them and
-        # a scale-up refilled them): they have no in-place rejoin, so they never become holes.
-        self._joined_launch_slots: set[int] = set()
+        # Slots scale joiners hold now (those below the launch size too, once a shrink released
+        # and a scale-up refilled them): they have no in-place rejoin, so never become holes.
+        self._joined_slots: set[int] = set()
         self._clock = clock
         self._events = events or EventLog(self._instance_id, capacity=event_capacity, clock=clock)
         if self._events.instance_id != self._instance_id:
@@ -272,7 +272,7 @@ class InProcessControlPlane:
             else:
                 resolved = resolve_removal(
                     request.remove_ranks, m.effective_size, failed=m.failed_in_range(),
-                    launch_size=self._topology.launch_size, joined=self._joined_launch_slots,
+                    launch_size=self._topology.launch_size, joined=self._joined_slots,
                     attn_replica_size=self._topology.attn_replica_size)
                 if isinstance(resolved, int):
                     request = request.as_size(resolved - len(m.removed))
@@ -290,7 +290,7 @@ class InProcessControlPlane:
             verdict = judge_with_holes(request.target_ep_size, current, m.removed) \
                 or validate_scale(request.target_ep_size, current_size=current,
                                   topology=self._topology, failed_ranks=m.failed,
-                                  joined_launch_slots=self._joined_launch_slots)
+                                  joined_slots=self._joined_slots)
         admission = self._registry.admit(request, verdict, current_size=current)
         if admission.started:
             assert admission.operation is not None
@@ -487,9 +487,9 @@ class InProcessControlPlane:
                 m = replace(m, pending_size=None)
             elif error is None and op.kind is OperationKind.SCALE_UP:
                 m = replace(m, effective_size=op.new_ep_size, pending_size=None)
-                self._joined_launch_slots.update(op.ranks)
+                self._joined_slots.update(op.ranks)
             elif error is None and op.kind is OperationKind.SCALE_DOWN:
-                self._joined_launch_slots.difference_update(op.ranks)
+                self._joined_slots.difference_update(op.ranks)
                 m = replace(
                     m,
                     effective_size=op.new_ep_size,

@@ -745,7 +745,8 @@ def _span(status: StatusResponse) -> int:
 def _holes(status: StatusResponse) -> list[int]:
     """Ranks removed where they were (not managed, with a managed rank above them)."""
     managed = {r.rank for r in status.ranks if r.state in _MANAGED}
-    return [r.rank for r in status.ranks if r.rank < _span(status) - 1 and r.rank not in managed]
+    top = _span(status) - 1
+    return [r.rank for r in status.ranks if r.rank < top and r.rank not in managed]
 
 
 def _troubled_inputs(troubled: Mapping[int, str]) -> dict[str, str]:

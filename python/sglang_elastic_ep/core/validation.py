@@ -140,10 +140,10 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
         )
     holes = sorted(set(range(current_size)) - set(named))
     live = [r for r in named if r not in down]
-    joined_ = [r for r in named if r in down and r in joiners]
+    scale_joined = [r for r in named if r in down and r in joiners]
     why = (f"ranks {_ranks(live)} are live, and live ranks leave from the tail only"
            if live else
-           f"ranks {_ranks(joined_)} joined by scale-up, and only failed launch-time ranks "
+           f"ranks {_ranks(scale_joined)} joined by scale-up, and only failed launch-time ranks "
            "can be removed below the tail")
     return _refuse(
         HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
@@ -196,13 +196,13 @@ def validate_scale(
     current_size: int,
     topology: ScaleTopology,
     failed_ranks: Iterable[int] = (),
-    joined_launch_slots: Iterable[int] = (),
+    joined_slots: Iterable[int] = (),
 ) -> ScaleVerdict:
     """Decide whether scaling from ``current_size`` to ``target`` may start now. A refusal
     names only sizes (and removals) that would be accepted in the same state;
-    ``joined_launch_slots``: slots below the launch size that scale joiners hold now."""
+    ``joined_slots``: the slots scale joiners hold now."""
     failed = frozenset(r for r in failed_ranks if 0 <= r < current_size)
-    joined = frozenset(joined_launch_slots)
+    joined = frozenset(joined_slots)
 
     def accepted(size: int) -> bool:
         return size != current_size and \

@@ -252,9 +252,7 @@ class PlanRunner:
                 self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
                 self._wait_state(rank, "active", CHANGE_S)
         if holes:
-            done = wait_operation(self.cluster.url, refill, CHANGE_S)
-            if done["result"] != "succeeded":
-                raise AssertionError(f"the refill of {holes} did not succeed: {done}")
+            self._wait_succeeded(refill, f"the refill of {holes}")
 
     def _grow(self, step: Step) -> None:
         for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
@@ -278,18 +276,19 @@ class PlanRunner:
         httpx.post(self.cluster.url + "/scale_elastic_ep",
                    json={"remove_ranks": list(step.ranks), "operation_id": operation_id},
                    timeout=60).raise_for_status()
-        done = wait_operation(self.cluster.url, operation_id, CHANGE_S)
-        if done["result"] != "succeeded":
-            raise AssertionError(f"removal of {list(step.ranks)} did not succeed: {done}")
+        self._wait_succeeded(operation_id, f"removal of {list(step.ranks)}")
 
     def _stay(self, step: Step) -> None:
         pass
 
     def _scale(self, size: int, operation_id: str) -> None:
         post_scale(self.cluster.url, size, operation_id)
+        self._wait_succeeded(operation_id, f"scale to {size} ({operation_id})")
+
+    def _wait_succeeded(self, operation_id: str, what: str) -> None:
         done = wait_operation(self.cluster.url, operation_id, CHANGE_S)
         if done["result"] != "succeeded":
-            raise AssertionError(f"scale to {size} ({operation_id}) did not succeed: {done}")
+            raise AssertionError(f"{what} did not succeed: {done}")
 
     def _wait_state(self, rank: int, state: str, timeout_s: float) -> dict:
         return wait_status(self.cluster.url,
