@@ -158,13 +158,21 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.world_registration:init_distributed_environment", "AROUND",
          "Mooncake refuses a WORLD registration shorter than the longest rank order it reached:"
          " after a shrink a scale joiner registers for that size, not its top slot + 1"),
+    Hook(f"{S}model_executor.model_runner.ModelRunner._initialize_elastic_ep_joiner",
+         "sglang.scale_up_joiner:prepare_then_join", "AROUND",
+         "a joiner prepares (NIXL buffer, KV cache) before it registers, while the serving ranks "
+         "serve on; upstream registers first and they wait for it from admission to commit"),
     Hook(f"{S}model_executor.model_runner.join_scale_process_group",
          "sglang.scale_up_joiner:join_world", "AROUND",
          "a scale joiner's side of the scale-up runs as a machine; its start-up steps block, so "
          "each one's end is told to it: here its wait for admission"),
     Hook(f"{S}model_executor.model_runner.ModelRunner._finalize_elastic_ep_joiner",
          "sglang.scale_up_joiner:commit_joining", "AROUND",
-         "the joiner's commit barrier with the serving ranks, then serving"),
+         "a prepared joiner's admission, then its commit barrier with the serving ranks"),
+    Hook(f"{S}model_executor.model_runner.ModelRunner._elastic_scale_ready_barrier",
+         "sglang.nixl_buffer_hooks:hook_connect_before_commit_barrier", "AROUND",
+         "NIXL handshakes with the new ranks before the commit, both sides at once; upstream "
+         "connects at the first dispatch after it, while every rank waits for the joiner"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.post_capture_elastic_ep_recover",
          "sglang.launch_recovery:rejoin_then_reload_moved_experts", "AROUND",
          "a replacement loaded its experts for the launch layout; EPLB or a scale-down may have "

@@ -609,3 +609,40 @@ def test_a_recovered_rank_is_reconnected_at_the_next_dispatch() -> None:
     assert ft.slept == [pytest.approx(m.reconnect_grace_s)]  # nixl_ep's grace (not on CPU)
     with pytest.raises(ValueError, match="outside the EP size"):
         m.replace([3])
+
+
+def test_prepare_data_plane_creates_the_buffer_then_connects_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A joiner creates its buffer before it registers (no peer is there to connect to), and
+    connects at the commit barrier; a model without NIXL has nothing to prepare."""
+    from sglang_elastic_ep.sglang import nixl_buffer_hooks as hooks
+
+    state = SimpleNamespace(buffer=None, connected_ep_size=None, scale_to=None,
+                            dispatch_ep_size=None)
+    impl = SimpleNamespace(group="ep group", hidden_size=64, deepep_mode="low_latency",
+                           num_max_dispatch_tokens_per_rank=8, num_experts=16,
+                           num_local_experts=8)
+    created: list[tuple] = []
+    buf = RecordingBuffer(2, 2, itertools.count())
+
+    def create(st: SimpleNamespace, *args: object) -> RecordingBuffer:
+        created.append(args)
+        st.buffer = buf
+        m = hooks.membership_of(st)
+        m._before_connect = None  # no SGLang TCPStore here
+        m.attach(buf, rank=2, max_ep_size=4, initial_ep_size=3)  # a joiner for rank 2 of 3
+        return buf
+
+    monkeypatch.setattr(hooks, "_nixl_state", lambda: state)
+    monkeypatch.setattr(hooks, "_create_buffer", create)
+    monkeypatch.setattr(hooks, "_nixl_dispatch_impl", lambda model: None)
+    assert hooks.prepare_data_plane("dense model", connect=True) is False and created == []
+
+    monkeypatch.setattr(hooks, "_nixl_dispatch_impl", lambda model: impl)
+    assert hooks.prepare_data_plane("moe model", connect=False) is True
+    assert created == [("ep group", 64, "low_latency", 8, 16, 8)] and buf.calls == []
+    assert hooks.prepare_data_plane("moe model", connect=True) is True
+    assert len(created) == 1  # the buffer is made once
+    assert buf.calls == [("connect", (0, 1, 2))] and buf.remote == [0, 1]
+    assert (state.connected_ep_size, state.dispatch_ep_size) == (3, 3)

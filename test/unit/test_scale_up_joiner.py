@@ -100,3 +100,68 @@ def test_a_joiner_reloads_its_experts_when_the_serving_ranks_map_moved_them(
     join_world(join_group)
     commit_joining(lambda runner, size: steps.append(("barrier", size)), RUNNER, 3)
     assert steps == [("reload", 2, [[12, 13, 4, 5]]), ("barrier", 3)]
+
+
+@pytest.fixture
+def start_up(monkeypatch: pytest.MonkeyPatch, joiner_process: SimpleNamespace) -> list[str]:
+    """The steps a joiner's start-up takes, as the hooks call them."""
+    steps: list[str] = []
+    monkeypatch.setattr(scale_up_joiner, "prepare_data_plane",
+                        lambda model, *, connect: steps.append(f"buffer of {model}"))
+    monkeypatch.setattr(scale_up_joiner, "_apply_join_topology",
+                        lambda runner: steps.append("topology of size 3"))
+    monkeypatch.setattr(scale_up_joiner, "_register_and_join", lambda runner: join_world(
+        lambda: steps.append(f"register and join: {phase()}")))
+    return steps
+
+
+PREPARING_RUNNER = SimpleNamespace(_elastic_global_rank=lambda: 2, model="model",
+                                   is_draft_worker=False)
+
+
+def test_a_joiner_without_graphs_prepares_then_joins_at_the_commit(
+        monkeypatch: pytest.MonkeyPatch, start_up: list[str]) -> None:
+    monkeypatch.setattr(scale_up_joiner, "_joins_at_the_commit", lambda: True)
+    scale_up_joiner.prepare_then_join(lambda runner: start_up.append("upstream's join"),
+                                      PREPARING_RUNNER)
+    assert start_up == ["buffer of model", "topology of size 3"]
+    assert phase() == "none"  # not registered: the serving ranks know nothing of it yet
+    start_up.append("KV cache")
+    commit_joining(lambda runner, size: start_up.append(f"barrier for {size}: {phase()}"),
+                   PREPARING_RUNNER, 3)
+    assert start_up == ["buffer of model", "topology of size 3", "KV cache",
+                        "register and join: pending", "barrier for 3: syncing_new_world"]
+    assert phase() == "serving_expanded"
+
+
+def test_a_joiner_that_joins_first_still_prepares_its_buffer_before_registering(
+        monkeypatch: pytest.MonkeyPatch, start_up: list[str]) -> None:
+    monkeypatch.setattr(scale_up_joiner, "_joins_at_the_commit", lambda: False)
+    scale_up_joiner.prepare_then_join(lambda runner: start_up.append("upstream's join"),
+                                      PREPARING_RUNNER)
+    assert start_up == ["buffer of model", "upstream's join"]
+    commit_joining(lambda runner, size: start_up.append("barrier"), PREPARING_RUNNER, 3)
+    assert start_up[-1] == "barrier" and "register and join: pending" not in start_up
+
+
+def test_a_process_that_is_not_a_scale_joiner_prepares_nothing(
+        start_up: list[str], joiner_process: SimpleNamespace) -> None:
+    joiner_process.is_ep_scale_joiner = False
+    scale_up_joiner.prepare_then_join(lambda runner: start_up.append("upstream"),
+                                      PREPARING_RUNNER)
+    assert start_up == ["upstream"]
+
+
+@pytest.mark.parametrize(("env", "graphs_off", "deferred"),
+                         [(None, True, True), ("0", True, False), ("1", False, False)])
+def test_the_join_waits_for_the_commit_only_without_graphs_and_unless_turned_off(
+        monkeypatch: pytest.MonkeyPatch, env: str | None, graphs_off: bool,
+        deferred: bool) -> None:
+    import sglang.srt.model_executor.cuda_graph_config as graph_config
+
+    monkeypatch.setattr(graph_config, "cuda_graph_fully_disabled", lambda: graphs_off)
+    if env is None:
+        monkeypatch.delenv(scale_up_joiner.PREPARE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(scale_up_joiner.PREPARE_ENV, env)
+    assert scale_up_joiner._joins_at_the_commit() is deferred

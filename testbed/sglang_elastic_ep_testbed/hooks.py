@@ -67,10 +67,6 @@ HOOKS: tuple[Hook, ...] = (
     _cpu_hook(f"{S}layers.moe.token_dispatcher.nixl._load_nixl_ep", "cpu.nixl_ep:load_nixl_ep",
               "REPLACE",
               "nixl_ep needs a GPU; the CPU buffer moves host memory over real NIXL"),
-    _cpu_hook(f"{S}model_executor.model_runner.ModelRunner._initialize_elastic_ep_joiner",
-              "cpu.nixl_ep:prepare_joiner_agent", "AROUND",
-              "a joiner's NIXL agent is created before it joins: on two busy cores, after its "
-              "admission, it took up to 37 s and Mooncake's heartbeat timeout evicted it"),
     _cpu_hook(f"{S}layers.moe.token_dispatcher.nixl._NixlEPDispatcherImplBase.__init__",
               "cpu.nixl_ep:dispatcher_impl_init", "AROUND",
               "upstream allocates the NIXL mask buffer on 'cuda'; allocate it on CPU"),

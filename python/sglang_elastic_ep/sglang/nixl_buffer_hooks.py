@@ -20,7 +20,12 @@ Upstream facts this relies on (``srt/layers/moe/token_dispatcher/nixl.py``,
   ``SimpleNamespace``); we add a ``membership`` attribute to it.
 * ``NixlEPBuffer.get_nixl_buffer`` is called at the start of every dispatch and combine. Upstream
   creates the buffer there and lazily ``connect_ranks`` when ``scale_to > connected_ep_size``; it
-  never disconnects.
+  never disconnects. Here a scale joiner creates its buffer before it registers, and every rank
+  applies the recorded connects before the scale-up's commit barrier
+  (:func:`prepare_data_plane`), so the first dispatch at the new size has nothing to set up.
+* ``ModelRunner._elastic_scale_ready_barrier`` is the commit barrier of a scale-up: the serving
+  ranks reach it from ``_finalize_scale_up`` (after ``on_scale``), the joiners from
+  ``_finalize_elastic_ep_joiner``, so each pair of them is in ``connect_ranks`` at the same time.
 * ``NixlEPBuffer.on_scale(from, to)`` is reached through ``ElasticEPStateManager.on_scale``,
   which ``ModelRunner._finalize_scale_up`` calls after ``try_admit_scale_ranks`` (Mooncake
   ``activate_ranks``) and after ``sync_active_to_cpu`` has set the joiners to 1.
@@ -146,7 +151,7 @@ def nixl_get_nixl_buffer(
     if state.buffer is not None:
         state.membership.ensure_connected()
         return state.buffer
-    return _create_buffer(
+    buffer = _create_buffer(
         state,
         group,
         hidden_size,
@@ -155,6 +160,8 @@ def nixl_get_nixl_buffer(
         num_experts,
         num_local_experts,
     )
+    state.membership.ensure_connected()
+    return buffer
 
 
 def _create_buffer(
@@ -166,7 +173,8 @@ def _create_buffer(
     num_experts: int,
     num_local_experts: int,
 ) -> Any:
-    """Upstream's creation path, with sizing and the first connect owned by the membership."""
+    """Upstream's creation path, with sizing owned by the membership; the first connect is
+    recorded, and applied by the caller's ``ensure_connected``."""
     import torch.distributed as dist
     from sglang.srt.distributed.utils import get_global_tcp_store
     from sglang.srt.layers.moe.token_dispatcher.nixl import _load_nixl_ep
@@ -218,8 +226,43 @@ def _create_buffer(
     state.sizing = sizing
     m = membership_of(state)
     m.attach(buffer, rank=global_rank, max_ep_size=max_ep_size, initial_ep_size=offset + world_size)
-    m.ensure_connected()
     return buffer
+
+
+def _nixl_dispatch_impl(model: Any) -> Any:
+    """The low-latency NIXL dispatcher of the model's first MoE layer (None without NIXL): the
+    buffer sizes the first dispatch would pass come from it."""
+    from sglang.srt.layers.moe.token_dispatcher.nixl import NixlEPDispatcher
+
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        # Two-batch overlap wraps one dispatcher per micro-batch; they share the buffer.
+        for inner in getattr(dispatcher, "_inners", None) or [dispatcher]:
+            if isinstance(inner, NixlEPDispatcher):
+                return inner._low_latency_dispatcher
+    return None
+
+
+def prepare_data_plane(model: Any, *, connect: bool) -> bool:
+    """Create this rank's NIXL EP buffer now if it has none, with the sizes its first dispatch
+    would use; with ``connect``, also apply the connects and disconnects recorded so far.
+    False when the model does not dispatch over NIXL (nothing to prepare).
+
+    A scale joiner calls it before it registers (``connect=False``: the agent and the memory
+    registration cost it nothing at the commit); every rank calls it again before the commit
+    barrier (``connect=True``: the handshakes with the joiners happen there, both sides at once).
+    """
+    impl = _nixl_dispatch_impl(model)
+    if impl is None:
+        return False
+    state = _nixl_state()
+    if state.buffer is None:
+        _create_buffer(state, impl.group, impl.hidden_size, impl.deepep_mode,
+                       impl.num_max_dispatch_tokens_per_rank, impl.num_experts,
+                       impl.num_local_experts)
+    if connect:
+        state.membership.ensure_connected()
+    return True
 
 
 # ------------------------------------------------------------------------ active-rank mirror
@@ -357,6 +400,15 @@ def hook_nixl_get_nixl_buffer(
     if not elastic_ep_enabled():
         return original(cls, *args, **kwargs)
     return nixl_get_nixl_buffer(cls, *args, **kwargs)
+
+
+def hook_connect_before_commit_barrier(original: Callable[..., Any], runner: Any,
+                                       *args: Any, **kwargs: Any) -> None:
+    """AROUND ``ModelRunner._elastic_scale_ready_barrier``: connect to the ranks this scale-up
+    adds (:func:`prepare_data_plane`), then meet at the barrier."""
+    if elastic_ep_enabled():
+        prepare_data_plane(runner.model, connect=True)
+    return original(runner, *args, **kwargs)
 
 
 def hook_is_active_equal_last(original: Callable[..., Any], self: Any) -> bool:

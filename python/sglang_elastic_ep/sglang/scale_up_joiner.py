@@ -2,22 +2,37 @@
 
 Upstream's joiner start-up blocks in each step: it registers its cohort and waits in Mooncake's
 ``join_group`` until the serving ranks admit it (``join_scale_process_group``), receives the
-expert map, builds its graphs, then meets the serving ranks at the commit barrier
-(``_finalize_elastic_ep_joiner``). The hooks here wrap the first and the last, and tell the
-machine when each returned, so the joiner's log says which step it is in, and how long each
-took once it serves; a step that raises ends the machine in FAILED with the error before the
-exception goes on. Before the barrier, a joiner whose slots the serving ranks' map fills with
-other experts than it loaded at start-up loads them again (``replica_loading``).
+expert map, allocates its KV cache, builds its graphs, then meets the serving ranks at the
+commit barrier (``_finalize_elastic_ep_joiner``). The serving ranks stop serving from the
+admission to the barrier, so everything the joiner does in between is a pause for every client.
+
+Prepare, then join: the joiner does its own work first, while the serving ranks serve on
+(:func:`prepare_then_join`). It creates its NIXL EP buffer, and, when its start-up captures no
+graphs, it applies the topology of the new size and leaves the steps over WORLD (register,
+admission, the expert map) to the commit (:func:`commit_joining`): the KV cache is allocated
+before it registers. Graph capture runs the model over the expanded WORLD, so a joiner that
+captures graphs keeps upstream's order, and so does a joiner started with
+``SGLANG_EEP_JOINER_PREPARE=0`` (to compare the two, or as a fallback). At the commit every rank
+connects its NIXL buffer to the new ranks before the barrier
+(``nixl_buffer_hooks.hook_connect_before_commit_barrier``).
+
+The hooks tell the machine when each step returned, so the joiner's log says which step it is
+in, and how long each took once it serves; a step that raises ends the machine in FAILED with
+the error before the exception goes on. Before the barrier, a joiner whose slots the serving
+ranks' map fills with other experts than it loaded at start-up loads them again
+(``replica_loading``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_up_machine import JoinerMachine
+from sglang_elastic_ep.sglang.nixl_buffer_hooks import prepare_data_plane
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.replica_loading import own_slots, reload_moved_experts
 from sglang_elastic_ep.sglang.start_up_steps import breakdown, run_step
@@ -27,6 +42,8 @@ from sglang_elastic_ep.sglang.world_registration import adopt_launch_group_size
 logger = get_logger(__name__)
 
 _STATE_ATTR = "_sglang_eep_scale_joiner"
+# "0": the joiner registers first, as upstream does (read once, at its start-up).
+PREPARE_ENV = "SGLANG_EEP_JOINER_PREPARE"
 
 
 @dataclass
@@ -34,6 +51,8 @@ class JoinerState:
     machine: JoinerMachine | None = None
     # The logical expert of each of its slots, per layer, as it loaded them at start-up.
     loaded: list[list[int]] | None = None
+    # Its steps over WORLD (register, admission, the expert map) wait for the commit.
+    join_deferred: bool = False
 
 
 def joiner_machine() -> JoinerMachine | None:
@@ -47,6 +66,80 @@ def _is_scale_joiner() -> bool:
 
     moe = get_exec().moe
     return bool(moe.elastic_ep_backend is not None and moe.is_ep_scale_joiner)
+
+
+def prepare_then_join(original: Any, runner: Any) -> Any:
+    """AROUND ``ModelRunner._initialize_elastic_ep_joiner`` (the model is loaded): prepare what
+    needs no other rank before registering (see the module docstring)."""
+    state = elastic_state()
+    if state is None or not _is_scale_joiner() or getattr(runner, "is_draft_worker", False):
+        return original(runner)
+    prepare_data_plane(runner.model, connect=False)
+    if not _joins_at_the_commit():
+        return original(runner)
+    _apply_join_topology(runner)
+    attached_state(state, _STATE_ATTR, JoinerState).join_deferred = True
+    logger.info("[elastic-ep] scale joiner prepares before it registers: KV cache and start-up "
+                "first, the serving ranks admit it at the commit")
+    return None
+
+
+def _joins_at_the_commit() -> bool:
+    """Whether this joiner leaves its steps over WORLD to the commit: its start-up captures no
+    graphs, and the operator did not ask for upstream's order."""
+    from sglang.srt.model_executor.cuda_graph_config import cuda_graph_fully_disabled
+
+    return os.environ.get(PREPARE_ENV, "1") != "0" and bool(cuda_graph_fully_disabled())
+
+
+def _join_size_and_rank() -> tuple[int, int]:
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return (int(parallel.ep_join_rank_offset + parallel.tp_size),
+            int(parallel.ep_join_rank_offset + parallel.tp_rank))
+
+
+def _apply_join_topology(runner: Any) -> None:
+    """The local half of upstream's ``_initialize_elastic_ep_joiner``: this process's view of
+    the new size (config, DP attention over WORLD, the active ranks), in upstream's order."""
+    from sglang.srt.layers.dp_attention import enable_joiner_all_gather
+    from sglang.srt.model_executor import model_runner as mr
+
+    join_size, global_ep_rank = _join_size_and_rank()
+    mr.get_context().override("elastic_ep.scale_join", ep_size=join_size)
+    enable_joiner_all_gather()
+    mr.update_dp_attention_for_elastic_ep(physical_ep_size=join_size,
+                                          physical_ep_rank=global_ep_rank)
+    if runner.eplb_manager is not None:
+        runner.eplb_manager.disable_rebalance(
+            "EPLB rebalance is disabled while elastic EP scale-up is being finalized")
+    state = elastic_state()
+    state.active_ranks.zero_()
+    state.active_ranks[:join_size] = 1
+    state.snapshot_active_to_last()
+    state.sync_active_to_cpu()
+    state.scale_phase = Phase.SYNCING_NEW_WORLD.value
+
+
+def _register_and_join(runner: Any) -> None:
+    """The WORLD half of upstream's ``_initialize_elastic_ep_joiner``: register the cohort,
+    wait for the admission (:func:`join_world`), receive the serving ranks' expert map."""
+    import torch.distributed as dist
+    from sglang.srt.model_executor import model_runner as mr
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    join_size, global_ep_rank = _join_size_and_rank()
+    dist.barrier(group=parallel.tp_group.cpu_group)
+    if parallel.tp_rank == 0:
+        mr.register_scale_cohort(parallel.ep_join_rank_offset, join_size,
+                                 runner._elastic_cuda_graph_enabled())
+    mr.join_scale_process_group()
+    mr.broadcast_global_expert_location_metadata(model_config=runner.model_config,
+                                                 moe_ep_rank=global_ep_rank, src_rank=0)
+    mr.set_global_expert_distribution_recorder(mr.ExpertDistributionRecorder.init_new(
+        mr.get_global_expert_location_metadata(), rank=global_ep_rank))
 
 
 def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,18 +166,25 @@ def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     result = run_step(machine, _who(machine), original, *args, **kwargs)
     machine.admitted(time.monotonic())
     logger.info("[elastic-ep] scale joiner admitted into WORLD after %.1f s: receives the expert "
-                "map and builds its graphs (phase %s)",
+                "map (phase %s)",
                 machine.seconds_in_phases()[Phase.PENDING], machine.phase.value)
     return result
 
 
 def commit_joining(original: Any, runner: Any, target_size: int) -> Any:
-    """AROUND ``ModelRunner._finalize_elastic_ep_joiner``: the commit barrier with the serving
-    ranks, then serving; one line with the start-up's breakdown."""
+    """AROUND ``ModelRunner._finalize_elastic_ep_joiner``: the steps over WORLD a prepared
+    joiner left for now, then the commit barrier with the serving ranks, then serving; one line
+    with the start-up's breakdown."""
+    state = elastic_state()
+    if state is None:
+        return original(runner, target_size)
+    holder = attached_state(state, _STATE_ATTR, JoinerState)
+    if holder.join_deferred:
+        holder.join_deferred = False
+        _register_and_join(runner)
     machine = joiner_machine()
     if machine is None or machine.done:
         return original(runner, target_size)
-    holder = attached_state(elastic_state(), _STATE_ATTR, JoinerState)
     reload_moved_experts(runner, runner._elastic_global_rank(), holder.loaded)
     machine.syncing(time.monotonic())
     result = run_step(machine, _who(machine), original, runner, target_size)

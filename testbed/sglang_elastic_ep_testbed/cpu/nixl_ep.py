@@ -21,21 +21,6 @@ def load_nixl_ep() -> tuple[type, torch.dtype]:
     return Buffer, torch.int64
 
 
-def prepare_joiner_agent(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``ModelRunner._initialize_elastic_ep_joiner``: a scale joiner on NIXL creates
-    its buffer's UCX agent before it registers and joins (``PreparedAgents``), then joins."""
-    from sglang.srt.runtime_context import get_exec, get_parallel
-
-    moe = get_exec().moe
-    if moe.elastic_ep_backend is not None and moe.is_ep_scale_joiner \
-            and moe.moe_a2a_backend == "nixl" and not getattr(runner, "is_draft_worker", False):
-        from sglang_elastic_ep_testbed.nixl_cpu.transport import PreparedAgents
-
-        parallel = get_parallel()
-        PreparedAgents.prepare(parallel.ep_join_rank_offset + parallel.tp_rank)
-    return original(runner, *args, **kwargs)
-
-
 def dispatcher_impl_init(original: Callable, impl: Any, *args: Any, **kwargs: Any) -> None:
     """AROUND ``_NixlEPDispatcherImplBase.__init__``: upstream allocates the mask buffer on
     ``"cuda"`` when elastic EP is on. Run it with the elastic state hidden (so it skips that),

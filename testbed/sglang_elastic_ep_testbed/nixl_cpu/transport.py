@@ -141,29 +141,6 @@ def make_nixl_agent(name: str, progress_thread: bool) -> Any:
             _api.nixlBind.nixlAgentConfig = base
 
 
-class PreparedAgents:
-    """UCX agents created ahead of their buffer, per rank of this process: a scale joiner's,
-    before it joins (``cpu.nixl_ep.prepare_joiner_agent``). Creating the agent right after
-    admission, on two cores the waiting ranks keep busy, took up to 37 s, and a joiner quiet
-    that long after its admission was evicted by Mooncake's heartbeat timeout (30 s, compiled
-    in). Prepared, the agent's cost falls before the admission, while the others serve."""
-
-    _ready: dict[int, tuple[str, Any]] = {}  # rank -> (agent name, agent); one process's
-
-    @classmethod
-    def prepare(cls, rank: int) -> str:
-        """Create the agent the first buffer of ``rank`` will take; its name."""
-        configure_ucx_env()
-        name = f"nixl-ep-cpu-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        cls._ready[int(rank)] = (name, make_nixl_agent(name, _progress_thread_enabled()))
-        return name
-
-    @classmethod
-    def take(cls, rank: int) -> tuple[str, Any] | None:
-        """The agent prepared for ``rank`` (once), else None."""
-        return cls._ready.pop(int(rank), None)
-
-
 class NixlTransport:
     """The agent, the registered region and the peers' transfer state of one rank.
 
@@ -182,13 +159,8 @@ class NixlTransport:
         self.num_rdma_bytes = 0
         self.num_nvl_bytes = 0
 
-        prepared = PreparedAgents.take(self.rank) if agent_name is None else None
-        if prepared is not None:
-            self.agent_name, self._agent = prepared
-        else:
-            self.agent_name = agent_name or \
-                f"nixl-ep-cpu-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            self._agent = make_nixl_agent(self.agent_name, _progress_thread_enabled())
+        self.agent_name = agent_name or f"nixl-ep-cpu-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._agent = make_nixl_agent(self.agent_name, _progress_thread_enabled())
         self._mem: torch.Tensor | None = None
         self._reg: Any = None
         self._base = 0
