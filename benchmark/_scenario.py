@@ -123,10 +123,13 @@ def grow_by_joiner(
     return joiner
 
 
+def logged(server: ServerProcess, text: str, timeout_s: float) -> None:
+    """Wait until ``server``'s log has ``text`` (polled often: the moment is a measured
+    figure)."""
+    wait_until(lambda: text in server.log_path.read_text(errors="replace"),
+               timeout_s, f"{text!r} in {server.log_path}", poll_s=0.2)
+
+
 def weights_loaded(server: ServerProcess, timeout_s: float) -> None:
-    """Wait until ``server``'s scheduler logged that it finished loading its weights (polled
-    often: the moment is a measured figure)."""
-    wait_until(
-        lambda: "Load weight end" in server.log_path.read_text(errors="replace"),
-        timeout_s, f"'Load weight end' in {server.log_path}", poll_s=0.2,
-    )
+    """Wait until ``server``'s scheduler logged that it finished loading its weights."""
+    logged(server, "Load weight end", timeout_s)

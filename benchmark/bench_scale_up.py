@@ -1,66 +1,146 @@
-"""Runtime scale-up 2 -> 3 on the CPU cluster under steady load: control-plane latency (from the
-joiner being ready to ``serving_expanded``) and the longest gap between completed requests
-during the scale window vs steady state.
+"""Runtime scale-up 2 -> 3 on the CPU cluster: a joiner that prepares before it registers (the
+default) against one in upstream's start-up order (``SGLANG_EEP_JOINER_PREPARE=0``), side by
+side on one cluster, under load and with the load paused.
 
-The joiner is launched before the POST; "ready" is the moment its scheduler logs that it
-finished loading weights. Writes docs/benchmarks.md section ``scale_up``.
+Each cycle launches a scale joiner for rank 2, POSTs 3, waits for the commit, lets the 3 ranks
+serve, then POSTs 2 (the joiner exits) so the next cycle starts from the same 2 ranks. "Ready"
+is the joiner registering its cohort: from then on the serving ranks can admit it, and from
+their admission to the commit they stop serving (the pause, read from rank 0's log). Writes
+docs/benchmarks.md section ``scale_up``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import requests_text, run_under_load, write_table  # noqa: E402
-from _scenario import operation_succeeded, tiny_spec, under_load, weights_loaded  # noqa: E402
+from _report import section_head, write_section  # noqa: E402
+from _scenario import WARM_UP_S, logged, operation_succeeded, tiny_spec  # noqa: E402
 
-from sglang_elastic_ep_testbed.cluster import LocalCluster  # noqa: E402
+from sglang_elastic_ep_testbed.cluster import LoadClient, LocalCluster  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.load import longest_gap  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.observe import post_scale  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.waits import wait_until  # noqa: E402
+
+MODES = {"prepared": {}, "upstream order": {"SGLANG_EEP_JOINER_PREPARE": "0"}}
+RIGHT_AFTER_S = 5.0  # the window right after the commit; the 3-rank steady state follows it
+LOG_TIME = "%Y-%m-%d %H:%M:%S.%f"
 
 
-def run(steady_s: float) -> dict[str, float]:
-    with LocalCluster(tiny_spec()) as cluster, under_load(cluster) as timeline:
-        timeline.hold(steady_s, then="launch")
-        joiner = cluster.start_joiner("scale", rank_offset=2)
-        timeline.mark("post")
-        post_scale(timeline.url, 3, "bench-grow")
-        weights_loaded(joiner, 300)
-        timeline.mark("ready")
-        operation_succeeded(timeline.url, "bench-grow", 420)
-        timeline.mark("committed")
-        timeline.hold(steady_s, then="end")
-    return timeline.figures(
-        spans={"launch_to_ready_s": ("launch", "ready"),
-               "ready_to_committed_s": ("ready", "committed"),
-               "post_to_committed_s": ("post", "committed")},
-        gaps={"gap_steady_s": ("warm", "launch"), "gap_scale_s": ("launch", "committed"),
-              "gap_after_s": ("committed", "end")},
-    )
+def _log_time(line: str) -> datetime:
+    return datetime.strptime(line[1:24], LOG_TIME)
+
+
+def serving_pause_s(primary_log: Path, operation_id: str) -> float:
+    """Rank 0's pause: from entering the scale-up (its admission begins) to its commit, from
+    its own log (``SGLANG_LOG_MS=1``)."""
+    lines = primary_log.read_text(errors="replace").splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if f"[op {operation_id}]" in line and "rank 0 enters the scale-up" in line)
+    end = next(line for line in lines[start:] if "Scale completed" in line)
+    return (_log_time(end) - _log_time(lines[start])).total_seconds()
+
+
+def grow_then_shrink(cluster: LocalCluster, run: str, env: dict[str, str],
+                     steady_s: float) -> dict[str, float]:
+    """One cycle, after ``steady_s`` at 2 ranks; its moments (monotonic seconds) and the
+    pause."""
+    marks = {"before": time.monotonic()}
+    time.sleep(steady_s)
+    marks["launch"] = time.monotonic()
+    joiner = cluster.start_joiner("scale", rank_offset=2, env=env)
+    operation = "bench-" + "".join(c if c.isalnum() else "-" for c in run)
+    post_scale(cluster.url, 3, operation)
+    logged(joiner, "registered its cohort", 300)
+    marks["registered"] = time.monotonic()
+    operation_succeeded(cluster.url, operation, 420)
+    marks["committed"] = time.monotonic()
+    time.sleep(RIGHT_AFTER_S)
+    marks["settled"] = time.monotonic()
+    time.sleep(steady_s)
+    marks["end"] = time.monotonic()
+    post_scale(cluster.url, 2, operation + "-down")
+    operation_succeeded(cluster.url, operation + "-down", 300)
+    wait_until(lambda: not joiner.alive(), 120, f"{joiner.log_path.name} exited", poll_s=0.5)
+    marks["pause_s"] = serving_pause_s(cluster.primary.log_path, operation)
+    return marks
+
+
+def run(steady_s: float, rounds: int) -> dict[str, dict[str, float]]:
+    os.environ["SGLANG_LOG_MS"] = "1"  # the pause is read from log lines
+    cycles: dict[str, dict[str, float]] = {}
+    with LocalCluster(tiny_spec()) as cluster:
+        load = LoadClient(cluster.url, concurrency=2, max_new_tokens=8).start()
+        try:
+            time.sleep(WARM_UP_S)
+            for n in range(1, rounds + 1):  # the modes alternate: drift hits both alike
+                for mode, env in MODES.items():
+                    name = f"{mode}, under load ({n})"
+                    cycles[name] = grow_then_shrink(cluster, name, env, steady_s)
+        finally:
+            results = load.stop()
+        for mode, env in MODES.items():
+            name = f"{mode}, load paused"
+            cycles[name] = grow_then_shrink(cluster, name, env, 0.0)
+    figures: dict[str, dict[str, float]] = {}
+    for name, m in cycles.items():
+        f = {"registered_s": m["registered"] - m["launch"],
+             "ready_to_committed_s": m["committed"] - m["registered"],
+             "pause_s": m["pause_s"]}
+        if "under load" in name:
+            f |= {"gap_steady2_s": longest_gap(results, m["before"], m["launch"]),
+                  "gap_scale_s": longest_gap(results, m["launch"], m["committed"]),
+                  "gap_after_s": longest_gap(results, m["committed"], m["settled"]),
+                  "gap_steady3_s": longest_gap(results, m["settled"], m["end"])}
+        figures[name] = f
+    figures["load"] = {"requests": float(len(results)),
+                       "failed": float(sum(not r.ok for r in results))}
+    return figures
+
+
+ROWS = [
+    ("joiner launched -> registered its cohort (ready)", "registered_s", ".1f"),
+    ("ready -> `serving_expanded` (control-plane latency)", "ready_to_committed_s", ".1f"),
+    ("serving ranks' pause: admission -> commit (rank 0's log)", "pause_s", ".2f"),
+    ("longest gap between completed requests, 2 ranks before", "gap_steady2_s", ".2f"),
+    ("longest gap, joiner launch -> committed", "gap_scale_s", ".2f"),
+    (f"longest gap, the first {RIGHT_AFTER_S:g} s after the commit", "gap_after_s", ".2f"),
+    ("longest gap, 3-rank steady state after that", "gap_steady3_s", ".2f"),
+]
 
 
 def main() -> None:
-    r = run_under_load(__doc__, run)
-    write_table(
-        "scale_up",
-        "Runtime scale-up 2 -> 3 under load (issue: scale-up and crash recovery, item 8)",
-        "Primary with 2 EP ranks (`--moe-a2a-backend nixl`), 2 concurrent clients sending "
-        "8-token greedy requests back to back; the joiner is launched, then the scale POSTed.",
-        r,
-        [
-            ("joiner launched -> its weights loaded (ready)", "launch_to_ready_s", ".1f"),
-            ("joiner ready -> `serving_expanded` (control-plane latency)",
-             "ready_to_committed_s", ".1f"),
-            ("POST -> `serving_expanded`", "post_to_committed_s", ".1f"),
-            ("longest gap between completed requests, steady state", "gap_steady_s", ".2f"),
-            ("longest gap, joiner launch -> committed", "gap_scale_s", ".2f"),
-            ("longest gap, after the commit", "gap_after_s", ".2f"),
-        ],
-        f"{requests_text(r)}. The joiner's start-up (imports, weights, Mooncake set-up) shares "
-        "the 2 cores with the serving ranks; the gap after the commit covers the first passes "
-        "with the new rank, which creates its NIXL buffer and handshakes with every peer on its "
-        "first dispatch.",
-    )
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steady-seconds", type=float, default=15.0)
+    parser.add_argument("--rounds", type=int, default=2, help="cycles per mode under load")
+    args = parser.parse_args()
+    figures = run(args.steady_seconds, args.rounds)
+    print(figures, flush=True)
+    runs = [name for name in figures if name != "load"]
+    lines = [
+        *section_head(
+            "Runtime scale-up 2 -> 3: a prepared joiner against upstream's order",
+            "Primary with 2 EP ranks (`--moe-a2a-backend nixl`, `--max-ep-size 4`), 2 concurrent "
+            "clients sending 8-token greedy requests back to back (stopped for the last two "
+            "cycles); each cycle serves at 2 ranks, grows to 3 with a scale joiner, serves, and "
+            "shrinks back to 2; the two modes alternate. `upstream order`: the joiner was "
+            "started with `SGLANG_EEP_JOINER_PREPARE=0`.",
+        ),
+        f"| measure | {' | '.join(runs)} |",
+        "|---|" + "---:|" * len(runs),
+    ]
+    for label, key, fmt in ROWS:
+        cells = [format(figures[r][key], fmt) if key in figures[r] else "-" for r in runs]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    load = figures["load"]
+    lines += ["", f"{int(load['requests'])} requests under load, {int(load['failed'])} failed."]
+    write_section("scale_up", "\n".join(lines))
 
 
 if __name__ == "__main__":

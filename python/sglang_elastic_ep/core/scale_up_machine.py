@@ -139,7 +139,8 @@ class JoinerMachine(StartUpMachine):
 
     def admitted(self, now: float) -> None:
         """The serving ranks admitted it into WORLD (upstream's ``join_scale_process_group``
-        returned): it receives the expert map and builds its graphs next."""
+        returned): it receives the expert map next (and builds its graphs, if it captures
+        any: a joiner without graphs prepared everything else before it registered)."""
         self._tracker.advance(Phase.JOINING, now)
 
     def syncing(self, now: float) -> None:

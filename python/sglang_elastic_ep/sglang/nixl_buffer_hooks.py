@@ -403,7 +403,7 @@ def hook_nixl_get_nixl_buffer(
 
 
 def hook_connect_before_commit_barrier(original: Callable[..., Any], runner: Any,
-                                       *args: Any, **kwargs: Any) -> None:
+                                       *args: Any, **kwargs: Any) -> Any:
     """AROUND ``ModelRunner._elastic_scale_ready_barrier``: connect to the ranks this scale-up
     adds (:func:`prepare_data_plane`), then meet at the barrier."""
     if elastic_ep_enabled():

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -385,8 +386,10 @@ class LocalCluster:
         server.popen.wait(timeout=10)
         return server.pid
 
-    def start_joiner(self, mode: str, rank_offset: int, size: int = 1) -> ServerProcess:
-        """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size).
+    def start_joiner(self, mode: str, rank_offset: int, size: int = 1,
+                     env: Mapping[str, str] | None = None) -> ServerProcess:
+        """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size),
+        with ``env`` added to its environment.
 
         Joiners for consecutive slots must reach Mooncake in slot order (docs/operations.md).
 
@@ -397,8 +400,8 @@ class LocalCluster:
         port = self._take_port(derived_offset=JOINER_PORT_DELTA)
         args = self.joiner_args(mode, str(rank_offset), str(size), str(port))
         joiner = ServerProcess(
-            f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size, self.env,
-            first_rank=rank_offset,
+            f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size,
+            {**self.env, **(env or {})}, first_rank=rank_offset,
         )
         self.joiners.append(joiner)
         return joiner
