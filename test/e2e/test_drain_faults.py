@@ -119,7 +119,7 @@ def test_a_leaving_rank_killed_mid_drain(tiny_model: Path) -> None:
             last = lost.result(timeout=FAULT_SEEN_S)[-1]
             assert LOST_WITH_SHARD in json.dumps(last), last
             done = wait_operation(url, "shrink-a", FAULT_SEEN_S)
-            assert done["result"] == "succeeded", done
+            assert done["result"] == "succeeded", f"shrink-a: {json.dumps(done)}"
             after = wait_status(url, lambda s: s if s["effective_ep_size"] == 2 else None,
                                 FAULT_SEEN_S, "size 2")
             assert states(after)[:3] == ["active", "active", "safe_to_terminate"], after
