@@ -70,7 +70,8 @@ def write_table(
     runs: Sequence[str] = (),
 ) -> None:
     """Write section ``name``: its head, a ``measure | seconds`` table of ``rows``, then
-    ``note``. With ``runs``, one column per run instead, its figures keyed ``run:key``."""
+    ``note``. With ``runs``, one column per run instead, its figures keyed ``run:key``; a
+    figure a run does not have shows as ``-``."""
     columns = list(runs) or ["seconds"]
     lines = [
         *section_head(title, setup),
@@ -79,6 +80,7 @@ def write_table(
     ]
     for label, key, fmt in rows:
         keys = [f"{run}:{key}" for run in runs] or [key]
-        lines.append(f"| {label} | {' | '.join(format(figures[k], fmt) for k in keys)} |")
+        cells = [format(figures[k], fmt) if k in figures else "-" for k in keys]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
     lines += ["", note]
     write_section(name, "\n".join(lines))

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import section_head, write_section  # noqa: E402
+from _report import requests_text, write_table  # noqa: E402
 from _scenario import WARM_UP_S, logged, operation_succeeded, tiny_spec  # noqa: E402
 
 from sglang_elastic_ep_testbed.cluster import LoadClient, LocalCluster  # noqa: E402
@@ -70,7 +70,7 @@ def grow_then_shrink(cluster: LocalCluster, run: str, env: dict[str, str],
     return marks
 
 
-def run(steady_s: float, rounds: int) -> dict[str, dict[str, float]]:
+def run(steady_s: float, rounds: int) -> tuple[dict[str, float], list[str]]:
     os.environ["SGLANG_LOG_MS"] = "1"  # the pause is read from log lines
     cycles: dict[str, dict[str, float]] = {}
     with LocalCluster(tiny_spec()) as cluster:
@@ -86,7 +86,7 @@ def run(steady_s: float, rounds: int) -> dict[str, dict[str, float]]:
         for mode, env in MODES.items():
             name = f"{mode}, load paused"
             cycles[name] = grow_then_shrink(cluster, name, env, 0.0)
-    figures: dict[str, dict[str, float]] = {}
+    figures: dict[str, float] = {}
     for name, m in cycles.items():
         f = {"registered_s": m["registered"] - m["launch"],
              "ready_to_committed_s": m["committed"] - m["registered"],
@@ -96,10 +96,10 @@ def run(steady_s: float, rounds: int) -> dict[str, dict[str, float]]:
                   "gap_scale_s": longest_gap(results, m["launch"], m["committed"]),
                   "gap_after_s": longest_gap(results, m["committed"], m["settled"]),
                   "gap_steady3_s": longest_gap(results, m["settled"], m["end"])}
-        figures[name] = f
-    figures["load"] = {"requests": float(len(results)),
-                       "failed": float(sum(not r.ok for r in results))}
-    return figures
+        figures |= {f"{name}:{key}": value for key, value in f.items()}
+    figures["requests"] = float(len(results))
+    figures["failed"] = float(sum(not r.ok for r in results))
+    return figures, list(cycles)
 
 
 ROWS = [
@@ -120,27 +120,17 @@ def main() -> None:
     parser.add_argument("--steady-seconds", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=2, help="cycles per mode under load")
     args = parser.parse_args()
-    figures = run(args.steady_seconds, args.rounds)
+    figures, runs = run(args.steady_seconds, args.rounds)
     print(figures, flush=True)
-    runs = [name for name in figures if name != "load"]
-    lines = [
-        *section_head(
-            "Runtime scale-up 2 -> 3: a prepared joiner against upstream's order",
-            "Primary with 2 EP ranks (`--moe-a2a-backend nixl`, `--max-ep-size 4`), 2 concurrent "
-            "clients sending 8-token greedy requests back to back (stopped for the last two "
-            "cycles); each cycle serves at 2 ranks, grows to 3 with a scale joiner, serves, and "
-            "shrinks back to 2; the two modes alternate. `upstream order`: the joiner was "
-            "started with `SGLANG_EEP_JOINER_PREPARE=0`.",
-        ),
-        f"| measure | {' | '.join(runs)} |",
-        "|---|" + "---:|" * len(runs),
-    ]
-    for label, key, fmt in ROWS:
-        cells = [format(figures[r][key], fmt) if key in figures[r] else "-" for r in runs]
-        lines.append(f"| {label} | {' | '.join(cells)} |")
-    load = figures["load"]
-    lines += ["", f"{int(load['requests'])} requests under load, {int(load['failed'])} failed."]
-    write_section("scale_up", "\n".join(lines))
+    write_table(
+        "scale_up", "Runtime scale-up 2 -> 3: a prepared joiner against upstream's order",
+        "Primary with 2 EP ranks (`--moe-a2a-backend nixl`, `--max-ep-size 4`), 2 concurrent "
+        "clients sending 8-token greedy requests back to back (stopped for the last two "
+        "cycles); each cycle serves at 2 ranks, grows to 3 with a scale joiner, serves, and "
+        "shrinks back to 2; the two modes alternate. `upstream order`: the joiner was "
+        "started with `SGLANG_EEP_JOINER_PREPARE=0`.",
+        figures, ROWS, f"Under load: {requests_text(figures)}.", runs=runs,
+    )
 
 
 if __name__ == "__main__":

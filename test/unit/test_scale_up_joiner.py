@@ -109,7 +109,7 @@ def start_up(monkeypatch: pytest.MonkeyPatch, joiner_process: SimpleNamespace) -
     monkeypatch.setattr(scale_up_joiner, "prepare_data_plane",
                         lambda model, *, connect: steps.append(f"buffer of {model}"))
     monkeypatch.setattr(scale_up_joiner, "_apply_join_topology",
-                        lambda runner: steps.append("topology of size 3"))
+                        lambda runner, state: steps.append("topology of size 3"))
     monkeypatch.setattr(scale_up_joiner, "_register_and_join", lambda runner: join_world(
         lambda: steps.append(f"register and join: {phase()}")))
     return steps

@@ -77,7 +77,7 @@ def prepare_then_join(original: Any, runner: Any) -> Any:
     prepare_data_plane(runner.model, connect=False)
     if not _joins_at_the_commit():
         return original(runner)
-    _apply_join_topology(runner)
+    _apply_join_topology(runner, state)
     attached_state(state, _STATE_ATTR, JoinerState).join_deferred = True
     logger.info("[elastic-ep] scale joiner prepares before it registers: KV cache and start-up "
                 "first, the serving ranks admit it at the commit")
@@ -100,7 +100,7 @@ def _join_size_and_rank() -> tuple[int, int]:
             int(parallel.ep_join_rank_offset + parallel.tp_rank))
 
 
-def _apply_join_topology(runner: Any) -> None:
+def _apply_join_topology(runner: Any, state: Any) -> None:
     """The local half of upstream's ``_initialize_elastic_ep_joiner``: this process's view of
     the new size (config, DP attention over WORLD, the active ranks), in upstream's order."""
     from sglang.srt.layers.dp_attention import enable_joiner_all_gather
@@ -114,7 +114,6 @@ def _apply_join_topology(runner: Any) -> None:
     if runner.eplb_manager is not None:
         runner.eplb_manager.disable_rebalance(
             "EPLB rebalance is disabled while elastic EP scale-up is being finalized")
-    state = elastic_state()
     state.active_ranks.zero_()
     state.active_ranks[:join_size] = 1
     state.snapshot_active_to_last()
