@@ -80,7 +80,7 @@ def test_a_leaving_shard_going_inactive_is_no_failure_and_drain_stragglers_end_w
     attach_adapter_state(tm, adapter)
     router.track(2, "done", tm.rid_to_state)
     router.track(2, "slow", tm.rid_to_state)
-    router.leaving = frozenset({2})
+    router.start_drain({2})
 
     engine = UpstreamEngine(tm, adapter)
     assert engine._end_drain_stragglers(frozenset({2})) == 1
@@ -113,11 +113,15 @@ def test_a_leaving_shard_that_dies_mid_drain_ends_its_requests_with_503_at_once(
                          _handle_abort_req=aborted.append)
     attach_adapter_state(tm, adapter)
     adapter.router.track(2, "slow", tm.rid_to_state)
-    adapter.router.leaving = frozenset({2})
+    adapter.router.start_drain({2})
     tokenizer_hooks.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, False]))
     (abort,) = aborted
     assert abort.rid == "slow" and abort.finished_reason["status_code"] == 503
     assert "failed before it finished" in abort.abort_message
+    # A survivor one pass behind still reports shard 2 up: it stays left out of the drain
+    # confirmation's fan-out, and nothing fails or recovers.
+    tokenizer_hooks.mirror_active_ranks(None, tm, SimpleNamespace(status=[True, True, True]))
+    assert adapter.router.leaving_down == frozenset({2}) and len(aborted) == 1
     assert [e.type for e in plane.events.since(0).events] == ["scale_requested"]
 
 
@@ -223,7 +227,7 @@ def test_a_drain_confirmation_awaits_only_the_live_schedulers() -> None:
     tm.scale_elastic_ep_communicator = lambda obj: asyncio.sleep(0, [ok, ok])
     adapter = HttpAdapterState(plane=None)
     engine = UpstreamEngine(tm, adapter)
-    adapter.router.leaving = frozenset({2})
+    adapter.router.start_drain({2})
     adapter.router.mark_down({2}, in_flight=set())
     op = SimpleNamespace(new_ep_size=2, operation_id="shrink")
     asyncio.run(engine._confirm_drain(op))

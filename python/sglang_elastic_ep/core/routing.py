@@ -39,14 +39,28 @@ class LiveShardRouter:
         if len(rids) > PRUNE_AT:
             rids[:] = [r for r in rids if r in in_flight]
 
+    def start_drain(self, shards: Iterable[int]) -> None:
+        """A scale-down drains ``shards``: no new request goes to them from now on."""
+        self.leaving = frozenset(shards)
+        self.leaving_down = frozenset()
+
+    def stop_draining(self) -> None:
+        """The scale-down ended without releasing its shards (refused, failed, called off):
+        they take requests again, except those that died during the drain, which are down."""
+        self.down = self.down | self.leaving_down
+        self.leaving = frozenset()
+        self.leaving_down = frozenset()
+
     def mark_down(self, shards: set[int], in_flight: Container[str]) -> dict[int, list[str]]:
         """Record the shards that are down now; returns the still-running requests of each
         shard that just went down (those are lost with it). Leaving shards go inactive on
         purpose (a scale-down releases them): not down. A released one holds no request (its
         drain ended before the release), so any it still runs died with it mid-drain: those
-        are returned too, once each."""
+        are returned too, once each. A leaving shard seen dead stays so for the rest of the
+        drain: each scheduler reports its own view after its pass, so a report from a peer
+        one pass behind can still show it up, and it will not come back before the release."""
         shards = set(shards)
-        self.leaving_down = frozenset(shards & self.leaving)
+        self.leaving_down = self.leaving_down | frozenset(shards & self.leaving)
         lost_leaving: dict[int, list[str]] = {}
         for shard in sorted(shards & self.leaving):
             running = [r for r in self._by_shard.get(shard, []) if r in in_flight]

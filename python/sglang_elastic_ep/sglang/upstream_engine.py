@@ -80,7 +80,7 @@ class UpstreamEngine:
                 replica = int(getattr(self._tm, "attn_replica_size", 1) or 1)
                 self._tm.update_control_communicator_fan_out(op.new_ep_size // replica)
             else:
-                self._router.leaving = leaving  # stop new work first
+                self._router.start_drain(leaving)  # stop new work first
         try:
             result = await asyncio.wait_for(
                 self._tm.scale_elastic_ep(
@@ -120,7 +120,7 @@ class UpstreamEngine:
 
     def _undo(self, op: Operation, drain: bool) -> None:
         """A refused or unanswered request changes nothing here either."""
-        self._router.leaving = frozenset()
+        self._router.stop_draining()
         if op.kind is OperationKind.SCALE_DOWN and not drain:
             self._tm.update_control_communicator_fan_out(self._tm.elastic_worker_count)
 
@@ -156,6 +156,11 @@ class UpstreamEngine:
                 ),
                 SCHEDULER_ANSWER_TIMEOUT_S,
             )
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"the drain confirmation got no answer from {live} schedulers within "
+                f"{SCHEDULER_ANSWER_TIMEOUT_S:g} s (leaving shards seen down: {sorted(dead)})"
+            ) from None
         finally:
             if live != workers:  # the commit sets the new size's fan-out itself
                 self._tm.update_control_communicator_fan_out(int(self._tm.elastic_worker_count))
@@ -179,7 +184,7 @@ class UpstreamEngine:
                     try:
                         await self._confirm_drain(op)
                     except Exception as exc:  # the schedulers never commit without it
-                        self._router.leaving = frozenset()
+                        self._router.stop_draining()
                         plane.finish_operation(operation_id, error=str(exc))
                         return
                 elif drain_deadline is not None and time.monotonic() > drain_deadline:
@@ -200,7 +205,7 @@ class UpstreamEngine:
                     plane.finish_operation(operation_id)
                     return
                 if phase is Phase.FAILED:
-                    self._router.leaving = frozenset()
+                    self._router.stop_draining()
                     plane.finish_operation(operation_id, error=state.get("last_error") or "failed")
                     return
                 try:

@@ -49,7 +49,7 @@ def test_leaving_shards_get_no_new_requests_and_their_running_ones_are_known() -
     router = LiveShardRouter()
     for rid, shard in (("a", 0), ("b", 2), ("c", 2)):
         router.track(shard, rid, in_flight=set())
-    router.leaving = frozenset({2})
+    router.start_drain({2})
     assert {router.pick(3) for _ in range(6)} == {0, 1}
     assert router.still_running([2], in_flight={"a", "c"}) == {2: ["c"]}
     assert router.still_running([2], in_flight={"a"}) == {2: []}
@@ -63,7 +63,7 @@ def test_a_leaving_shard_that_dies_mid_drain_takes_its_running_requests_with_it(
     router = LiveShardRouter()
     for rid, shard in (("a", 0), ("b", 2), ("c", 2)):
         router.track(shard, rid, in_flight=set())
-    router.leaving = frozenset({2})
+    router.start_drain({2})
     assert router.mark_down({2}, in_flight={"a", "c"}) == {2: ["c"]}  # "b" had finished
     assert router.down == frozenset()  # leaving, not down: no fault handling, no recovery
     assert router.leaving_down == frozenset({2})  # its scheduler will not answer
@@ -71,3 +71,26 @@ def test_a_leaving_shard_that_dies_mid_drain_takes_its_running_requests_with_it(
     assert router.still_running([2], in_flight={"a", "c"}) == {2: []}  # the drain is over
     router.forget([2])
     assert router.leaving_down == frozenset()
+
+
+def test_a_leaving_shard_seen_dead_stays_dead_when_a_late_report_shows_it_up() -> None:
+    router = LiveShardRouter()
+    router.track(2, "c", in_flight=set())
+    router.start_drain({2})
+    assert router.mark_down({2}, in_flight={"c"}) == {2: ["c"]}
+    # A peer one pass behind still reports shard 2 up: the drain confirmation must still
+    # leave its scheduler out.
+    assert router.mark_down(set(), in_flight=set()) == {}
+    assert router.leaving_down == frozenset({2})
+
+
+def test_a_drain_that_ends_without_a_release_puts_a_dead_leaving_shard_down() -> None:
+    router = LiveShardRouter()
+    router.start_drain({1, 2})
+    router.mark_down({2}, in_flight=set())
+    router.stop_draining()
+    assert (router.leaving, router.leaving_down, router.down) == (
+        frozenset(), frozenset(), frozenset({2}))
+    assert {router.pick(3) for _ in range(4)} == {0, 1}
+    router.start_drain({1})
+    assert router.leaving_down == frozenset()  # a new drain starts from what it sees
