@@ -38,8 +38,9 @@ step() {
 system_libraries() {
   ldconfig -p | grep -q libibverbs.so.1 && return 0
   local sudo=""; [[ $(id -u) -ne 0 ]] && sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+  # Another apt (a second setup, unattended upgrades) may hold the lock: wait for it.
+  $sudo apt-get -o DPkg::Lock::Timeout=300 update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
     libibverbs1 ibverbs-providers libnuma1 libcurl4
 }
 make_venv() {
