@@ -140,6 +140,7 @@ class InProcessControlPlane:
         metrics: ElasticEPMetrics | None = None,
         clock: Callable[[], float] = time.time,
         new_operation_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        refill_timeout_s: float | None = None,
     ) -> None:
         self._instance_id = instance_id or uuid.uuid4().hex
         self._topology = topology
@@ -148,6 +149,9 @@ class InProcessControlPlane:
         self._cancelling: set[str] = set()  # running operations a DELETE is calling off
         self._holes_removed: set[str] = set()  # started removals of failed ranks below the tail
         self._hole_refills: set[str] = set()  # running scale-ups into removed ranks' holes
+        # A refill waits for relaunches no scheduler step bounds: it fails after this long.
+        self._refill_timeout_s = refill_timeout_s
+        self._refill_deadline: float | None = None
         # Slots scale joiners hold now (those below the launch size too, once a shrink released
         # and a scale-up refilled them): they have no in-place rejoin, so never become holes.
         self._joined_slots: set[int] = set()
@@ -298,6 +302,8 @@ class InProcessControlPlane:
                 self._holes_removed.add(admission.operation.operation_id)
             if verdict.refills_holes:
                 self._hole_refills.add(admission.operation.operation_id)
+                if self._refill_timeout_s is not None:
+                    self._refill_deadline = self._clock() + self._refill_timeout_s
         return admission
 
     async def cancel_operation(self, operation_id: str, *,
@@ -360,6 +366,22 @@ class InProcessControlPlane:
         result = op.result.value if op is not None else "unknown"
         return answer(int(HTTPStatus.CONFLICT), False,
                       f"operation {operation_id} ended as {result} before the cancel took")
+
+    def expire_overdue_refill(self) -> Operation | None:
+        """Fail the running refill of removed ranks' holes once its timeout has passed without
+        every relaunch serving (called periodically); the failed operation, or None."""
+        with self._lock:  # the check and the end at once: a relaunch may commit it meanwhile
+            op = self._registry.current
+            if (op is None or op.operation_id not in self._hole_refills
+                    or self._refill_deadline is None or self._clock() < self._refill_deadline):
+                return None
+            missing = sorted(set(op.ranks) & self._membership.removed)
+            return self.finish_operation(op.operation_id, error=(
+                f"no relaunch of removed ranks {missing} served within "
+                f"{self._refill_timeout_s:g} s (--elastic-ep-scale-timeout): EP size stays "
+                f"{op.old_ep_size} and the ranks stay removed; relaunch them with their original "
+                "arguments plus --ep-join-mode recover (they rejoin in place), or POST "
+                f"new_ep_size {op.new_ep_size} again"))
 
     def status(self) -> StatusResponse:
         with self._lock:
@@ -467,6 +489,8 @@ class InProcessControlPlane:
         self._holes_removed.discard(operation_id)
         refills_holes = operation_id in self._hole_refills
         self._hole_refills.discard(operation_id)
+        if refills_holes:
+            self._refill_deadline = None
         with self._lock:
             op = self._registry.finish(operation_id, error=error, failed_in=failed_in,
                                        cancelled=cancelled)
@@ -608,7 +632,9 @@ class InProcessControlPlane:
         self._events.emit(RankRecoveredEvent, operation_id=operation_id, ranks=recovered)
         if refilled:
             assert refill is not None
-            self.finish_operation(refill.operation_id)
+            with self._lock:  # unless its timeout or a cancel ended it meanwhile
+                if refill.operation_id in self._hole_refills:
+                    self.finish_operation(refill.operation_id)
         self.refresh_metrics()
 
     def report_recovery_phase(self, phase: Phase | None) -> None:

@@ -174,3 +174,18 @@ def start_metrics_refresher(plane: InProcessControlPlane) -> None:
                 logger.debug("elastic EP: metrics refresh failed", exc_info=True)
 
     threading.Thread(target=refresh, name="elastic-ep-metrics", daemon=True).start()
+
+
+def start_refill_deadline_watch(plane: InProcessControlPlane, interval_s: float = 1.0) -> None:
+    """A refill of removed ranks' holes waits for relaunches that may never come: its timeout
+    is checked here, since no scheduler step runs for it."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                plane.expire_overdue_refill()
+            except Exception:  # retried at the next interval
+                logger.debug("elastic EP: refill deadline check failed", exc_info=True)
+
+    threading.Thread(target=watch, name="elastic-ep-refill-deadline", daemon=True).start()

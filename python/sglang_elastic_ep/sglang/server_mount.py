@@ -19,6 +19,7 @@ from sglang_elastic_ep.sglang.background_pollers import (
     ExpertHealthPoller,
     StallWatch,
     start_metrics_refresher,
+    start_refill_deadline_watch,
 )
 from sglang_elastic_ep.sglang.http_state import (
     HttpAdapterState,
@@ -77,10 +78,13 @@ def mount_on_server(result: Any, global_state: Any) -> None:
                                             3.0)),
             persistence_threshold=int(getattr(server_args, "elastic_ep_slow_expert_checks", 10)),
         ),
+        # Upstream's bound on a pending scale (0: none) bounds a refill too.
+        refill_timeout_s=float(getattr(server_args, "elastic_ep_scale_timeout", 0) or 0) or None,
     )
     adapter.plane = plane
     if metrics is not None:
         start_metrics_refresher(plane)
+    start_refill_deadline_watch(plane)
     stall_timeout = float(getattr(server_args, "elastic_ep_stall_timeout", 60.0))
     if stall_timeout > 0:
         StallWatch(tm, plane, stall_timeout).start(min(1.0, stall_timeout / 4))

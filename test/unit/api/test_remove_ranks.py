@@ -6,7 +6,7 @@ that works, and changes nothing."""
 from __future__ import annotations
 
 import pytest
-from eep_api_helpers import FakeEngine, make_app, make_plane
+from eep_api_helpers import Clock, FakeEngine, make_app, make_plane
 from fastapi.testclient import TestClient
 
 
@@ -145,9 +145,9 @@ def test_a_hole_takes_whole_attention_replicas() -> None:
     assert client.get("/elastic_ep/status").json()["effective_ep_size"] == 4
 
 
-def _removed_rank_1() -> tuple[TestClient, FakeEngine, object]:
+def _removed_rank_1(**plane_args: object) -> tuple[TestClient, FakeEngine, object]:
     engine = FakeEngine()
-    plane = make_plane(engine=engine, initial=3, launch_size=2, max_ep_size=4)
+    plane = make_plane(engine=engine, initial=3, launch_size=2, max_ep_size=4, **plane_args)
     client = TestClient(make_app(plane))
     plane.observe_rank_liveness([1], reason="killed")
     assert client.post("/scale_elastic_ep", json={"remove_ranks": [1]}).status_code == 200
@@ -189,6 +189,37 @@ def test_a_refill_is_cancelled_at_once_and_the_hole_stays() -> None:
     assert _types_for(plane, [1])[-2:] == ["scale_cancelled", "safe_to_terminate"]
     plane.observe_rank_liveness([], reason="")  # a relaunch still rejoins in place
     assert client.get("/elastic_ep/status").json()["effective_ep_size"] == 3
+    assert engine.ops == []
+
+
+def test_a_refill_whose_relaunch_never_serves_fails_at_its_timeout_and_the_hole_stays() -> None:
+    clock = Clock()
+    client, engine, plane = _removed_rank_1(clock=clock, refill_timeout_s=600.0)
+    assert client.post("/scale_elastic_ep",
+                       json={"new_ep_size": 3, "operation_id": "fill"}).status_code == 200
+    clock.t += 599
+    assert plane.expire_overdue_refill() is None  # not yet
+    assert client.get("/elastic_ep/status").json()["pending_ep_size"] == 3
+    clock.t += 2
+    failed = plane.expire_overdue_refill()
+    assert failed is not None and failed.operation_id == "fill"
+    assert failed.result.value == "failed"
+    assert "no relaunch of removed ranks [1] served within 600 s" in failed.error
+    assert "--ep-join-mode recover" in failed.error
+    assert plane.expire_overdue_refill() is None  # once
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["pending_ep_size"]) == (2, None), status
+    assert _types_for(plane, [1])[-2:] == ["scale_failed", "safe_to_terminate"]
+    assert _states(client) == ["active", "safe_to_terminate", "active", "inactive"]
+    # The operation it names works from here: a relaunch still rejoins in place, and a new
+    # refill is admitted.
+    assert client.post("/scale_elastic_ep",
+                       json={"new_ep_size": 3, "operation_id": "fill-2"}).status_code == 200
+    plane.observe_rank_liveness([], reason="")
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["phase"]) == (3, "serving_expanded"), status
+    clock.t += 10_000
+    assert plane.expire_overdue_refill() is None  # the committed refill has no deadline left
     assert engine.ops == []
 
 
