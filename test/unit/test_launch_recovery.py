@@ -208,14 +208,20 @@ def test_the_replacement_machine_follows_its_rejoin_and_the_reload(
     monkeypatch.setattr(launch_recovery, "reload_moved_experts",
                         lambda runner, rank, loaded: reloads.append(
                             (loaded, launch_recovery.replacement_machine(state).phase)))
+    prepared: list[tuple[str, bool]] = []
+    monkeypatch.setattr(launch_recovery, "prepare_data_plane",
+                        lambda model, connect: prepared.append((model, connect)))
 
     def rejoin(runner: Any) -> str:
         machine = launch_recovery.replacement_machine(state)
         assert machine is not None and machine.phase is Phase.REJOINING
+        assert prepared == [("model", False)]  # its buffer exists before the survivors' pass
         return "rejoined"
 
-    assert launch_recovery.rejoin_then_reload_moved_experts(rejoin, SimpleNamespace()) == "rejoined"
+    runner = SimpleNamespace(model="model")
+    assert launch_recovery.rejoin_then_reload_moved_experts(rejoin, runner) == "rejoined"
     assert reloads == [([[0, 1]], Phase.RESTORING_EXPERTS)]
+    assert prepared == [("model", False)]  # it connects at its first dispatch, as the survivors
     machine = launch_recovery.replacement_machine(state)
     assert machine is not None and machine.rank == 1 and machine.phase is Phase.SERVING_RECOVERED
 
@@ -225,12 +231,13 @@ def test_a_replacement_whose_rejoin_raises_ends_failed(monkeypatch: pytest.Monke
     monkeypatch.setattr(launch_recovery, "elastic_state", lambda: state)
     monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {}))
     monkeypatch.setattr(launch_recovery, "own_slots", lambda rank: None)
+    monkeypatch.setattr(launch_recovery, "prepare_data_plane", lambda model, connect: False)
 
     def rejoin(runner: Any) -> None:
         raise RuntimeError("group registration was rejected")
 
     with pytest.raises(RuntimeError, match="registration was rejected"):
-        launch_recovery.rejoin_then_reload_moved_experts(rejoin, SimpleNamespace())
+        launch_recovery.rejoin_then_reload_moved_experts(rejoin, SimpleNamespace(model=None))
     machine = launch_recovery.replacement_machine(state)
     assert machine is not None and machine.phase is Phase.FAILED
     assert machine.error == "RuntimeError: group registration was rejected"

@@ -34,6 +34,7 @@ from sglang_elastic_ep.core.membership import failed_launch_ranks
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
     mark_ranks_activated,
     mirror_of,
+    prepare_data_plane,
     recover_ranks,
 )
 from sglang_elastic_ep.sglang.operation_log import get_logger
@@ -133,10 +134,13 @@ HEALTHY, REJOINING = 1, 2  # a rank's code in the source-rank exchange (0: no ro
 def rejoin_then_reload_moved_experts(original: Callable[[Any], Any], runner: Any) -> Any:
     """AROUND ``ModelRunner.post_capture_elastic_ep_recover`` (the replacement's rejoin at
     start-up, after its weights were loaded for the launch layout): upstream's rejoin, then a
-    reload of its experts if the survivors' map puts other experts in its slots."""
+    reload of its experts if the survivors' map puts other experts in its slots. Its NIXL EP
+    buffer (agent, memory registration) is created first, while the survivors serve on: on
+    the pass that takes it back, only the handshakes are left."""
     state = elastic_state()
     if state is None:
         return original(runner)
+    prepare_data_plane(runner.model, connect=False)
     rank = dist.get_rank()
     machine = ReplacementMachine(rank, time.monotonic())
     attached_state(state, _REPLACEMENT_ATTR, ReplacementState).machine = machine
