@@ -14,7 +14,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import requests_text, run_under_load, write_table  # noqa: E402
 from _scenario import REPLICATED, grow_by_joiner, tiny_spec, under_load  # noqa: E402
-from bench_recovery import crash_and_recover, recovery_figures, recovery_rows  # noqa: E402
+from bench_recovery import (  # noqa: E402
+    SCALE_JOINED_READY,
+    crash_and_recover,
+    recovery_figures,
+    recovery_rows,
+)
 
 from sglang_elastic_ep_testbed.cluster import LocalCluster  # noqa: E402
 
@@ -28,7 +33,7 @@ def run(steady_s: float) -> dict[str, float]:
             timeline.hold(SETTLE_S, then="steady")
             crash_and_recover(timeline, 2, lambda: cluster.kill_server(joiner),
                               lambda: cluster.start_joiner("recover", rank_offset=2), steady_s,
-                              420)
+                              420, SCALE_JOINED_READY)
     return recovery_figures(timeline, "steady")
 
 
