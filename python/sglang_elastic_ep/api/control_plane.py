@@ -323,10 +323,13 @@ class InProcessControlPlane:
         if refusal is not None:
             return answer(refusal[0], False, refusal[1])
         assert known is not None
-        if operation_id in self._hole_refills:  # nothing was sent to the schedulers
-            self._cancelling.add(operation_id)
-            self.finish_operation(operation_id, error="cancelled before the removed ranks "
-                                  "rejoined")
+        with self._lock:  # a refill's relaunch or timeout may end it meanwhile
+            refill = operation_id in self._hole_refills
+            if refill:  # nothing was sent to the schedulers
+                self._cancelling.add(operation_id)
+                self.finish_operation(operation_id, error="cancelled before the removed ranks "
+                                      "rejoined")
+        if refill:
             return answer(int(HTTPStatus.OK), True,
                           f"operation {operation_id} is cancelled; EP size stays "
                           f"{known.old_ep_size}, and ranks {list(known.ranks)} stay removed "
