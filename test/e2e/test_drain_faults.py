@@ -1,32 +1,24 @@
-"""Ranks killed with SIGKILL while a scale-down drains (docs/operations.md, "Faults").
+"""A staying rank killed with SIGKILL while a scale-down drains (docs/operations.md, "Faults"). A
+leaving rank killed mid-drain is a step of the suite's chain in test_scale_down.py.
 
-A leaving rank (in the suite): two launch ranks in one server (NIXL EP, ``--max-ep-size 4``,
-every expert on every rank), a steady greedy load, and a scale joiner for slot 2.
-1. 2 -> 3 (joiner A).
-2. 3 -> 2 while a long request runs on shard 2 (the leaving one); joiner A is killed mid-drain.
-   The promise: the long request ends at once with HTTP 503 and a message (not at the drain
-   timeout), the scale-down goes through without the dead rank (its slot is released, listed
-   safe to terminate, no ``rank_failed``: it was leaving), and serving goes on on two ranks.
-3. 2 -> 3 again into that slot (joiner B): the fault left nothing behind.
+Two launch ranks, one node each (NIXL EP, ``--max-ep-size 4``, every expert on every rank), a
+steady greedy load, grown to 3 by a scale joiner, then 3 -> 2 while a long request runs on
+shard 2, and node 1 (rank 1, a staying rank) is killed mid-drain. The promise: every rank calls
+the scale-down off on one agreed pass (the release would hand rank 1's slots to a dead rank),
+the operation fails naming the staying rank, the size stays 3 with rank 1 failed, shard 2 takes
+requests again and the long request completes with every token. In one CI run the joiner's
+scheduler died instead on the pass rank 1 died in, from the DP gather's rows; survivors now
+repair the rows of a gather that reports a failed peer, and it passed here since
+(docs/design.md, "Garbage rows after a peer dies mid-gather"). It is marked ``known_race`` and
+stays out of the suite for its time (about 5 minutes) and for the one-pass disagreement that
+repair leaves open.
 
-A staying rank (marker ``known_race``): the same cluster with one node per launch rank, grown
-to 3, then 3 -> 2 while a long request runs on shard 2, and node 1 (rank 1, a staying rank) is
-killed mid-drain. The promise: every rank calls the scale-down off on one agreed pass (the
-release would hand rank 1's slots to a dead rank), the operation fails naming the staying rank,
-the size stays 3 with rank 1 failed, shard 2 takes requests again and the long request
-completes with every token. In one CI run the joiner's scheduler died instead on the pass
-rank 1 died in, from the DP gather's rows; survivors now repair the rows of a gather that
-reports a failed peer, and it passed here since (docs/design.md, "Garbage rows after a peer
-dies mid-gather"). It stays out of the suite for its time (about 5 minutes) and for the
-one-pass disagreement that repair leaves open.
-
-Throughout, no request fails except those a killed rank was running (503 with a message), and
+Throughout, no request fails except those the killed rank was running (503 with a message), and
 every completed request decoded the reference tokens.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -97,46 +89,6 @@ def _spec(tiny_model: Path, nodes: int) -> ClusterSpec:
     return ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, nodes=nodes, moe_a2a_backend="nixl",
                        extra_args=["--ep-num-redundant-experts", "16",
                                    "--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S)])
-
-
-@pytest.mark.timeout(1800)
-def test_a_leaving_rank_killed_mid_drain(tiny_model: Path) -> None:
-    with LocalCluster(_spec(tiny_model, nodes=1)) as cluster:
-        url = cluster.url
-        reference = greedy_reference(url)
-        load = LoadClient(url, concurrency=LOAD_CLIENTS, max_new_tokens=8).start()
-        kills: list[float] = []
-        try:
-            # 1. 2 -> 3.
-            joiner_a = grow_to_3(cluster, "grow-a")
-            wait_each_shard_serves(load, [0, 1, 2], SERVES_S, logs={2: joiner_a.log_path})
-
-            # 2. The leaving rank dies mid-drain: its request ends with 503 at once, the
-            # scale-down goes through without it.
-            lost, killed_at = drain_then(url, "shrink-a",
-                                         lambda: cluster.kill_server(joiner_a))
-            kills.append(killed_at)
-            last = lost.result(timeout=FAULT_SEEN_S)[-1]
-            assert LOST_WITH_SHARD in json.dumps(last), last
-            done = wait_operation(url, "shrink-a", FAULT_SEEN_S)
-            assert done["result"] == "succeeded", f"shrink-a: {json.dumps(done)}"
-            after = wait_status(url, lambda s: s if s["effective_ep_size"] == 2 else None,
-                                FAULT_SEEN_S, "size 2")
-            assert states(after)[:3] == ["active", "active", "safe_to_terminate"], after
-            assert after["safe_to_terminate_ranks"] == [2], after
-            faults = [e for e in sse_events(url)
-                      if e["type"] in ("rank_failed", "recovery_required")]
-            assert not faults, faults
-            wait_each_shard_serves(load, [0, 1], SERVES_S)
-
-            # 3. The slot takes a new joiner.
-            joiner_b = grow_to_3(cluster, "grow-b")
-            wait_each_shard_serves(load, [0, 1, 2], SERVES_S, logs={2: joiner_b.log_path})
-        finally:
-            results = load.stop()
-        ops = operation_events(sse_events(url))
-        assert ops["shrink-a"] == ["scale_requested", "scale_committed", "safe_to_terminate"], ops
-        assert_only_killed_requests_lost(results, kills, reference, LOAD_CLIENTS)
 
 
 @pytest.mark.known_race("on the pass its peer died in, survivors can disagree on a stale row "

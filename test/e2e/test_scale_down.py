@@ -13,7 +13,12 @@ The suite's chain, 2 -> 3 -> 2 -> 3 -> 2, launches each joiner beside two ranks:
    ``sglang-eep scale --wait``, exit 0) and the new joiner launched after it, while
    ``sglang-eep events --follow`` prints the operation's events live.
 4. 3 -> 1 is refused with 422 (attention DP needs two DP ranks; upstream asserts it every
-   pass, and a shrink to one crashed every scheduler), then 3 -> 2 with nothing to move.
+   pass, and a shrink to one crashed every scheduler), then 3 -> 2 with nothing to move, while
+   a long request runs on shard 2 and its joiner is killed with SIGKILL mid-drain. The promise
+   (docs/operations.md, "Faults"): the long request ends at once with HTTP 503 and a message
+   (not at the drain timeout), the scale-down goes through without the dead rank (its slot is
+   released and listed safe to terminate, no ``rank_failed``: it was leaving).
+5. 2 -> 3 into that slot once more: the fault left nothing behind.
 
 The long chain (marker ``long``: outside the 30-minute suite, ``bash scripts/test.sh --long``)
 goes to four ranks: 2 -> 3 -> 2 -> 3 -> 4 -> 2 -> 3 -> 4 -> 3 -> 2, covering 4 -> 3, 4 -> 2,
@@ -53,8 +58,10 @@ past Mooncake's heartbeat timeout and was evicted (docs/cpu-testbed.md). A joine
 beside three ranks takes about 6 minutes on two cores (one load client, 1 s between requests;
 the pause did not make it faster).
 
-Throughout: no request fails, and the fixed prompts decode to the same tokens; the released
-ranks' servers exiting raises no ``rank_failed`` or ``recovery_required`` event.
+Throughout: no request fails (in the suite's chain, except what the killed leaving rank was
+running: 503 with a message), and the fixed prompts decode to the same tokens; the released
+ranks' servers exiting, or dying while they leave, raises no ``rank_failed`` or
+``recovery_required`` event.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,8 +92,10 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     wait_each_shard_serves,
     wait_experts_reported,
     wait_operation,
+    wait_status,
 )
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
+from sglang_elastic_ep_testbed.cluster.plans import FAULT_SEEN_S, assert_only_killed_requests_lost
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 SCALE_TIMEOUT_S = 420
@@ -98,6 +108,8 @@ SHRINK = ["scale_requested", "scale_committed", "safe_to_terminate"]
 JOIN_BESIDE_THREE_TIMEOUT_S = 600
 LOAD_PAUSE_S = 1.0
 LONG_TOKENS = 24  # four ranks on two cores decode about a token a second under load
+LONG_TOKENS_KILLED = 160  # long enough to be running when its rank is killed
+LOST_WITH_SHARD = "failed before it finished"
 DRAIN_TIMEOUT_S = 180
 SERVES_S = 180  # for every shard to serve the load after a change (two busy cores)
 
@@ -227,13 +239,18 @@ def cancel_a_scale_up_whose_joiner_never_starts(url: str, size: int, operation_i
 
 
 def assert_served_throughout(results: list, reference: dict[str, list[int]], url: str,
-                             grown: list[str], shrunk: list[str]) -> None:
-    """No request failed, every output is the reference, each operation's events came in
-    order, and the released ranks exiting raised no fault event."""
-    failed = [r for r in results if not r.ok]
-    assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
-    changed = [r for r in results if r.output_ids != reference[r.prompt]]
-    assert not changed, f"outputs changed: {changed[:3]}"
+                             grown: list[str], shrunk: list[str],
+                             kills: list[float] | None = None) -> None:
+    """No request failed (with ``kills``: except what a killed rank was running), every
+    output is the reference, each operation's events came in order, and the released ranks
+    exiting (or dying while they leave) raised no fault event."""
+    if kills:
+        assert_only_killed_requests_lost(results, kills, reference, in_flight=1)
+    else:
+        failed = [r for r in results if not r.ok]
+        assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+        changed = [r for r in results if r.output_ids != reference[r.prompt]]
+        assert not changed, f"outputs changed: {changed[:3]}"
     assert greedy_reference(url) == reference
     events = sse_events(url)
     # Released ranks exiting (as an orchestrator deleting them would) is no fault.
@@ -263,6 +280,7 @@ def test_shrink_and_regrow_between_2_and_3_under_load(tiny_model: Path) -> None:
         assert slots == [HALVES[:16], HALVES[16:]], slots
 
         load = LoadClient(url, concurrency=1, max_new_tokens=8, pause_s=LOAD_PAUSE_S).start()
+        kills: list[float] = []
         try:
             # 0. A scale-up whose joiner never starts is cancelled (`sglang-eep cancel`): the
             # size stays, its slot is safe to terminate, and a repeat answers the same.
@@ -306,22 +324,56 @@ def test_shrink_and_regrow_between_2_and_3_under_load(tiny_model: Path) -> None:
                     in again2.log_path.read_text(errors="replace"))
 
             # 4. 3 -> 1 is refused (attention DP needs two DP ranks) and changes nothing;
-            # 3 -> 2 then needs no move: ranks 0 and 1 hold every expert.
+            # 3 -> 2 then needs no move (ranks 0 and 1 hold every expert), and the leaving
+            # joiner dies mid-drain: its long request ends with 503 at once, the scale-down
+            # goes through without it.
             refused = scale(url, 1, "shrink-to-1")
             assert refused.status_code == 422, refused.text
             assert "attention DP needs at least 2" in refused.json()["message"], refused.text
             assert read_status(url)["effective_ep_size"] == 3
-            assert scale(url, 2, "shrink-again-to-2").status_code == 200
-            succeeded(url, "shrink-again-to-2", 2)
+            kills.append(shrink_while_the_leaving_rank_dies(cluster, again2, "shrink-again-to-2"))
+            status = succeeded(url, "shrink-again-to-2", 2, FAULT_SEEN_S)
+            assert states(url)[:3] == ["active", "active", "safe_to_terminate"]
+            assert status["safe_to_terminate_ranks"] == [2], status
             assert wait_experts_reported(url, ranks=2) == launch_placement
-            left_and_exited(again2)
             wait_each_shard_serves(load, [0, 1], SERVES_S)  # serving on two ranks
+
+            # 5. 2 -> 3 into that slot again: the fault left nothing behind.
+            third = cluster.start_joiner("scale", rank_offset=2)
+            assert scale(url, 3, "grow-after-the-fault").status_code == 200
+            succeeded(url, "grow-after-the-fault", 3)
+            wait_each_shard_serves(load, [0, 1, 2], SERVES_S, logs={2: third.log_path})
         finally:
             results = load.stop()
 
-        assert_served_throughout(results, reference, url, grown=["grow-to-3", "grow-again"],
-                                 shrunk=["shrink-to-2", "shrink-again-to-2"])
+        assert_served_throughout(results, reference, url,
+                                 grown=["grow-to-3", "grow-again", "grow-after-the-fault"],
+                                 shrunk=["shrink-to-2", "shrink-again-to-2"], kills=kills)
         assert "moved experts into" not in cluster.primary.log_path.read_text(errors="replace")
+
+
+def shrink_while_the_leaving_rank_dies(cluster: LocalCluster, leaving: ServerProcess,
+                                       operation_id: str) -> float:
+    """POST 3 -> 2 while a long request runs on shard 2, then SIGKILL ``leaving`` (rank 2's
+    server) once the scale-down drains. The long request ends at once with the lost-with-shard
+    503, not at the drain timeout. When the kill ran."""
+    url = cluster.url
+    running = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        long_request = pool.submit(stream_on_shard, url, 2, LONG_TOKENS_KILLED, running,
+                                   DRAIN_TIMEOUT_S + 200)
+        wait_until(lambda: running.is_set() or long_request.done(), SERVES_S,
+                   "the long request running on shard 2", poll_s=0.1)
+        assert running.is_set(), long_request.result()
+        assert scale(url, 2, operation_id).status_code == 200
+        wait_status(url, lambda s: s if s["phase"] == "draining" else None, 60,
+                    f"{operation_id} draining")
+        assert not long_request.done(), long_request.result()
+        killed_at = time.monotonic()
+        cluster.kill_server(leaving)
+        last = long_request.result(timeout=FAULT_SEEN_S)[-1]
+    assert LOST_WITH_SHARD in json.dumps(last), last
+    return killed_at
 
 
 @pytest.mark.long
