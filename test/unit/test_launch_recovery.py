@@ -158,6 +158,8 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
     monkeypatch.setattr(launch_recovery, "state_manager", lambda: manager)
     monkeypatch.setattr(launch_recovery, "mark_ranks_activated",
                         lambda ranks: done.append(("activated", list(ranks))))
+    monkeypatch.setattr(launch_recovery, "mark_ranks_drained",
+                        lambda ranks: done.append(("drained", list(ranks))))
     metadata = SimpleNamespace(num_physical_experts=32,
                                physical_to_logical_map=torch.zeros((2, 32), dtype=torch.int64))
     monkeypatch.setattr(launch_recovery, "expert_location_metadata", lambda: metadata)
@@ -174,6 +176,16 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
     never_scaled = survivor([0, 1, 0, 0], effective=2, launch=2, scaled=False)
     launch_recovery.take_on_serving_size(never_scaled, 2)
     assert done == [] and never_scaled.has_scaled is False
+    # launched at 3, the survivors serve on 2 after a shrink: its buffer drops released rank 2
+    monkeypatch.setattr(runtime_context, "get_parallel",
+                        lambda: SimpleNamespace(elastic_ep_initial_size=3, tp_size=3))
+    metadata.num_physical_experts = 48
+    metadata.physical_to_logical_map = torch.zeros((2, 48), dtype=torch.int64)
+    after_a_shrink = survivor([0, 1, 0, 0], effective=3, launch=3, scaled=False)
+    launch_recovery.take_on_serving_size(after_a_shrink, 2)
+    assert tuple(metadata.physical_to_logical_map.shape) == (2, 32)
+    assert done == [("override", 2), ("dp", 2, 1), ("activated", [0, 1]), ("drained", [2]),
+                    ("nixl", 3, 2)]
 
 
 def test_the_survivor_machine_follows_the_failed_set_and_the_agreed_rejoin(

@@ -315,6 +315,21 @@ def test_grow_then_shrink_before_any_dispatch_never_touches_the_buffer() -> None
     assert m.connected_ep_size == 2
 
 
+def test_a_buffer_made_at_the_launch_size_takes_on_a_smaller_serving_size_before_connecting(
+) -> None:
+    """A launch-time rank's replacement creates its buffer at the launch size (3) before it
+    rejoins survivors serving on 2 (a scale-down released rank 2): the released rank is marked
+    drained, and the first dispatch connects only the serving ranks."""
+    m, buf, _ = make(rank=1, founders=3)
+    with pytest.raises(MembershipOrderError):
+        m.on_scale(2)  # rank 2 not known drained: refused, nothing recorded
+    drain(m, buf, [2])
+    m.on_scale(2)
+    m.ensure_connected()
+    assert buf.calls == [("connect", (0, 1))]
+    assert m.connected_ep_size == 2
+
+
 def test_leaving_rank_stops_dispatching_and_releases_its_buffer() -> None:
     clock = itertools.count()
     buf = RecordingBuffer(rank=2, founders=3, clock=clock)

@@ -33,6 +33,7 @@ from sglang_elastic_ep.core.launch_recovery_machine import (
 from sglang_elastic_ep.core.membership import failed_launch_ranks
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
     mark_ranks_activated,
+    mark_ranks_drained,
     mirror_of,
     prepare_data_plane,
     recover_ranks,
@@ -231,6 +232,11 @@ def take_on_serving_size(state: Any, serving: int) -> None:
     manager = state_manager()
     if manager._on_scale is not None:  # the NIXL data plane: every survivor is a member
         mark_ranks_activated(range(serving))
+        if serving < launch:
+            # Launch-time slots a scale-down released before this process started: its buffer
+            # (created before the rejoin, at the launch size) never connected them, and no
+            # token can be in flight to them, so its pending connects to them are dropped.
+            mark_ranks_drained(range(serving, launch))
     manager.on_scale(launch, serving)
     logger.info("[elastic-ep] rank %d rejoins at the size the survivors serve on: %d ranks "
                 "(launched at %d)", rank, serving, launch)
