@@ -1,7 +1,7 @@
 """Runtime scale-down and scale-up on the CPU cluster under steady load (NIXL EP), one cluster
 per chain (starting one costs a minute on 2 cores).
 
-The suite's chain, 2 -> 3 -> 2 -> 3 -> 2, launches each joiner beside two ranks:
+The suite's chain, 2 -> 3 -> 2 -> 3 -> 2 -> 3, launches each joiner beside two ranks:
 0. A scale-up to 3 whose joiner never starts is cancelled with ``sglang-eep cancel``: the size
    stays 2, slot 2 is listed safe to terminate, a second DELETE answers the same.
 1. 2 -> 3 with the joiner launched before the POST, which uses the RFC's ``new_tp_size``; the
@@ -265,7 +265,7 @@ def assert_served_throughout(results: list, reference: dict[str, list[int]], url
 
 @pytest.mark.timeout(1800)
 def test_shrink_and_regrow_between_2_and_3_under_load(tiny_model: Path) -> None:
-    """The suite's chain, 2 -> 3 -> 2 -> 3 -> 2, each joiner launched beside two ranks."""
+    """The suite's chain, 2 -> 3 -> 2 -> 3 -> 2 -> 3, each joiner launched beside two ranks."""
     placement = json.dumps({"physical_to_logical_map": [HALVES, HALVES]})  # both MoE layers
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
                        extra_args=["--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S),
