@@ -151,7 +151,6 @@ class InProcessControlPlane:
         self._hole_refills: set[str] = set()  # running scale-ups into removed ranks' holes
         # A refill waits for relaunches no scheduler step bounds: it fails after this long.
         self._refill_timeout_s = refill_timeout_s
-        self._refill_deadline: float | None = None
         # Slots scale joiners hold now (those below the launch size too, once a shrink released
         # and a scale-up refilled them): they have no in-place rejoin, so never become holes.
         self._joined_slots: set[int] = set()
@@ -302,8 +301,6 @@ class InProcessControlPlane:
                 self._holes_removed.add(admission.operation.operation_id)
             if verdict.refills_holes:
                 self._hole_refills.add(admission.operation.operation_id)
-                if self._refill_timeout_s is not None:
-                    self._refill_deadline = self._clock() + self._refill_timeout_s
         return admission
 
     async def cancel_operation(self, operation_id: str, *,
@@ -375,13 +372,14 @@ class InProcessControlPlane:
         every relaunch serving (called periodically); the failed operation, or None."""
         with self._lock:  # the check and the end at once: a relaunch may commit it meanwhile
             op = self._registry.current
-            if (op is None or op.operation_id not in self._hole_refills
-                    or self._refill_deadline is None or self._clock() < self._refill_deadline):
+            timeout = self._refill_timeout_s
+            if (op is None or op.operation_id not in self._hole_refills or timeout is None
+                    or self._clock() < op.started_at + timeout):
                 return None
             missing = sorted(set(op.ranks) & self._membership.removed)
             return self.finish_operation(op.operation_id, error=(
                 f"no relaunch of removed ranks {missing} served within "
-                f"{self._refill_timeout_s:g} s (--elastic-ep-scale-timeout): EP size stays "
+                f"{timeout:g} s (--elastic-ep-scale-timeout): EP size stays "
                 f"{op.old_ep_size} and the ranks stay removed; relaunch them with their original "
                 "arguments plus --ep-join-mode recover (they rejoin in place), or POST "
                 f"new_ep_size {op.new_ep_size} again"))
@@ -492,8 +490,6 @@ class InProcessControlPlane:
         self._holes_removed.discard(operation_id)
         refills_holes = operation_id in self._hole_refills
         self._hole_refills.discard(operation_id)
-        if refills_holes:
-            self._refill_deadline = None
         with self._lock:
             op = self._registry.finish(operation_id, error=error, failed_in=failed_in,
                                        cancelled=cancelled)

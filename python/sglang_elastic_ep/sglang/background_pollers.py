@@ -1,5 +1,6 @@
-"""Background work of the HTTP server process: the expert health poller and the metrics
-refresher, each on its own daemon thread started by ``server_mount.mount_on_server``."""
+"""Background work of the HTTP server process: the expert health poller, the stall watch, the
+metrics refresher and the refill deadline, each on its own daemon thread (``run_every``)
+started by ``server_mount.mount_on_server``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -84,20 +86,15 @@ class ExpertHealthPoller:
         """Polls on the tokenizer's event loop (where its communicators live), from a thread."""
         tokenizer_manager = self._tm
 
-        def run() -> None:
-            while True:
-                time.sleep(interval_s)
-                loop = getattr(tokenizer_manager, "event_loop", None)
-                if loop is None:
-                    continue  # the first request creates it
-                try:
-                    asyncio.run_coroutine_threadsafe(self.poll(), loop).result(
-                        timeout=3 * HEALTH_ANSWER_TIMEOUT_S
-                    )
-                except Exception:  # a missed check is retried at the next interval
-                    logger.debug("elastic EP: expert health poll failed", exc_info=True)
+        def check() -> None:
+            loop = getattr(tokenizer_manager, "event_loop", None)
+            if loop is None:
+                return  # the first request creates it
+            asyncio.run_coroutine_threadsafe(self.poll(), loop).result(
+                timeout=3 * HEALTH_ANSWER_TIMEOUT_S
+            )
 
-        threading.Thread(target=run, name="elastic-ep-health", daemon=True).start()
+        run_every(interval_s, "elastic-ep-health", "expert health poll", check)
 
 
 class StallWatch:
@@ -151,41 +148,31 @@ class StallWatch:
             raise
 
     def start(self, interval_s: float) -> None:
-        def run() -> None:
-            while True:
-                time.sleep(interval_s)
-                try:
-                    self.check()
-                except Exception:  # a missed check is retried at the next interval
-                    logger.debug("elastic EP: stall check failed", exc_info=True)
+        run_every(interval_s, "elastic-ep-stall-watch", "stall check", self.check)
 
-        threading.Thread(target=run, name="elastic-ep-stall-watch", daemon=True).start()
+
+def run_every(interval_s: float, name: str, what: str, step: Callable[[], object]) -> None:
+    """Run ``step`` every ``interval_s`` on daemon thread ``name``; a failure (logged as
+    ``what``) is retried at the next interval and never stops the thread."""
+
+    def run() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                step()
+            except Exception:
+                logger.debug("elastic EP: %s failed", what, exc_info=True)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
 
 
 def start_metrics_refresher(plane: InProcessControlPlane) -> None:
     """Gauges follow every change already; time spent degraded also grows between changes."""
-
-    def refresh() -> None:
-        while True:
-            time.sleep(METRICS_REFRESH_S)
-            try:
-                plane.refresh_metrics()
-            except Exception:  # a metrics hiccup must never stop the refresher
-                logger.debug("elastic EP: metrics refresh failed", exc_info=True)
-
-    threading.Thread(target=refresh, name="elastic-ep-metrics", daemon=True).start()
+    run_every(METRICS_REFRESH_S, "elastic-ep-metrics", "metrics refresh", plane.refresh_metrics)
 
 
 def start_refill_deadline_watch(plane: InProcessControlPlane, interval_s: float = 1.0) -> None:
     """A refill of removed ranks' holes waits for relaunches that may never come: its timeout
     is checked here, since no scheduler step runs for it."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            try:
-                plane.expire_overdue_refill()
-            except Exception:  # retried at the next interval
-                logger.debug("elastic EP: refill deadline check failed", exc_info=True)
-
-    threading.Thread(target=watch, name="elastic-ep-refill-deadline", daemon=True).start()
+    run_every(interval_s, "elastic-ep-refill-deadline", "refill deadline check",
+              plane.expire_overdue_refill)
