@@ -19,7 +19,9 @@ schedulers run again (SIGCONT) the report clears and every request completes. Th
 scheduler's main thread stops alone (SIGUSR1, ``cpu/fault_injection.py``) while its process
 lives, a peer that never enters the collective: the others wait for it (in the pass's DP
 gather or the forward's expert dispatch), and the stall report says so, rank by rank (each
-scheduler's published step, all of them fresh: stuck, not stopped).
+scheduler's published step, all of them fresh: stuck, not stopped). Last, the same with no
+request waiting: the report then comes from the published steps alone (ranks 0 and 2 in an
+idle pass's gather past the threshold).
 """
 
 from __future__ import annotations
@@ -228,3 +230,21 @@ def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> N
             after = waiting.stop()
         assert after and all(r.ok for r in after), after[:3]
         assert not [e for e in sse_events(url) if e["type"] == "rank_failed"]
+
+        # The same with no request waiting: no answer is due, so only the steps the schedulers
+        # publish show it. Ranks 0 and 2 sit in an idle pass's gather while rank 1 sleeps.
+        def idle_stall(status: dict) -> dict | None:
+            stalled = status["stalled"]
+            return stalled if stalled and stalled["waiting_requests"] == 0 else None
+
+        psutil.Process(cluster.primary.scheduler_pids()[1]).send_signal(signal.SIGUSR1)
+        stalled = wait_status(url, idle_stall, ONE_RANK_STALL_S, "the idle stall reported")
+        at = {r["rank"]: r for r in stalled["ranks"]}
+        assert at[0]["step"] == at[2]["step"] == "gather", stalled
+        assert at[0]["in_step_s"] > STALL_TIMEOUT_S or at[2]["in_step_s"] > STALL_TIMEOUT_S, \
+            stalled
+        assert "no request waits" in stalled["message"], stalled
+        wait_status(url, lambda s: s if s["stalled"] is None else None, 120,
+                    "the idle stall clears once rank 1 runs again")
+        assert not [e for e in sse_events(url) if e["type"] == "rank_failed"]
+        assert greedy_reference(url) == reference

@@ -434,7 +434,8 @@ class InProcessControlPlane:
     def observe_stall(self, since: float | None, waiting_requests: int,
                       positions: list[RankPosition] | None = None) -> None:
         """The stall watch's verdict (``core.stall``): stalled since ``since``, or not, and
-        where each scheduler is (``positions``)."""
+        where each scheduler is (``positions``). With no request waiting, the verdict came from
+        the positions alone (a scheduler stuck in a pass of an idle server)."""
         if since is None:
             if self._stalled is not None:
                 logger.warning("elastic EP: serving resumed after a stall of %.0f s",
@@ -445,18 +446,22 @@ class InProcessControlPlane:
         phase = self.status().phase
         positions = positions or []
         where = describe_positions(positions)
+        if waiting_requests > 0:
+            what = (f"{waiting_requests} requests wait and no scheduler has answered for "
+                    f"{now - since:.0f} s")
+        else:
+            what = (f"no request waits, but a scheduler has been in one step of a pass for "
+                    f"{now - since:.0f} s")
         if self._stalled is None:
-            logger.warning("elastic EP: serving stalled: %d requests wait and no scheduler has "
-                           "answered for %.0f s (phase %s): %s", waiting_requests, now - since,
-                           phase.value, where)
+            logger.warning("elastic EP: serving stalled: %s (phase %s): %s", what, phase.value,
+                           where)
         self._stalled = StallStatus(
             since=since, stalled_s=round(now - since, 3), waiting_requests=waiting_requests,
             phase=phase, ranks=positions,
-            message=(f"{waiting_requests} requests wait and no scheduler has answered for "
-                     f"{now - since:.0f} s (phase {phase.value}): {where}. A scheduler is "
-                     "stuck, often in a collective whose peer never came; the schedulers' stacks "
-                     "(py-spy dump) show where. Serving resumes by itself if the peer arrives; "
-                     "else restart it"),
+            message=(f"{what} (phase {phase.value}): {where}. A scheduler is stuck, often in a "
+                     "collective whose peer never came; the schedulers' stacks (py-spy dump) "
+                     "show where. Serving resumes by itself if the peer arrives; else restart "
+                     "it"),
         )
 
     # --- engine -> control plane --------------------------------------------------------

@@ -327,10 +327,12 @@ class RankPosition(_Strict):
 
 
 class StallStatus(_Strict):
-    """Serving has stalled: requests wait and no scheduler answered for ``stalled_s``."""
+    """Serving has stalled for ``stalled_s``: requests wait and no scheduler answered, or no
+    request waits and a serving scheduler has not left one step of a pass."""
 
     since: float = Field(description="When the schedulers last answered (or requests began "
-                         "to wait, if later).")
+                         "to wait, if later); with no request waiting, when the longest-stuck "
+                         "scheduler entered its step.")
     stalled_s: float
     waiting_requests: int
     phase: Phase = Field(description="The phase the deployment was in (the step it is stuck "

@@ -1,15 +1,21 @@
-"""Whether serving has stalled: requests wait and no scheduler has answered for a while.
+"""Whether serving has stalled: a scheduler is stuck and passes no longer complete.
 
 A scheduler stuck in a collective (a peer that never arrives) stops every rank's passes: no
-token reaches the HTTP process, while the status may still read "waiting" or "serving". The
-HTTP process sees only that: requests in flight and the time of the last answer from the
-schedulers. The stall clock starts at the later of that answer and the moment requests began
-to wait (an idle server's last answer may be an hour old).
+token reaches the HTTP process, while the status may still read "waiting" or "serving". Two
+verdicts, one for each load:
+- requests wait (``StallDetector``): the HTTP process sees requests in flight and the time of
+  the last answer from the schedulers. The stall clock starts at the later of that answer and
+  the moment requests began to wait (an idle server's last answer may be an hour old);
+- nothing waits (``stuck_in_a_pass``): no answer is due, so silence says nothing; the
+  schedulers' published steps do. An idle scheduler still runs a pass now and then (each starts
+  with the DP gather) and rests in ``idle`` between them, so one that has sat in a step of a
+  pass for longer than the threshold is stuck there.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from sglang_elastic_ep.core.api_models import RankPosition
 
@@ -37,6 +43,19 @@ class StallDetector:
 
 
 STOPPED_AFTER_S = 5.0  # a scheduler publishes once a second: silence this long means stopped
+# Steps that are not part of a pass: resting between passes, or before the first one.
+RESTING_STEPS = frozenset({"idle", "starting"})
+
+
+def stuck_in_a_pass(positions: list[RankPosition], ranks: Collection[int],
+                    threshold_s: float) -> float | None:
+    """How long the longest-stuck live scheduler of ``ranks`` has been in one step of a pass,
+    when that is more than ``threshold_s``; else None. A scheduler that stopped reporting is
+    stopped or dead, not stuck: the failure handling covers it."""
+    stuck = [p.in_step_s for p in positions
+             if p.rank in ranks and p.report_age_s <= STOPPED_AFTER_S
+             and p.step not in RESTING_STEPS and p.in_step_s > threshold_s]
+    return max(stuck) if stuck else None
 
 
 def positions_from_reports(reports: list[dict], now: float) -> list[RankPosition]:

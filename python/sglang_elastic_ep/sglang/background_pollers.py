@@ -13,8 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
-from sglang_elastic_ep.core.api_models import RankPosition
-from sglang_elastic_ep.core.stall import positions_from_reports
+from sglang_elastic_ep.core.api_models import RankPosition, RankState
+from sglang_elastic_ep.core.stall import positions_from_reports, stuck_in_a_pass
 from sglang_elastic_ep.sglang.pass_progress import READ_TIMEOUT_S, read_reports
 from sglang_elastic_ep.sglang.world_registration import KeyValueStore, rendezvous_store
 
@@ -98,10 +98,11 @@ class ExpertHealthPoller:
 
 
 class StallWatch:
-    """Reports a stall (``core.stall``) to the plane: requests in the tokenizer's table and no
-    answer from any scheduler for ``threshold_s``, with where each scheduler is (the reports
-    they publish, ``pass_progress``). Reads two attributes of the tokenizer from its own
-    thread, never its event loop (a stalled server's loop is busy waiting too)."""
+    """Reports a stall (``core.stall``) to the plane, with where each scheduler is (the reports
+    they publish, ``pass_progress``): requests in the tokenizer's table and no answer from any
+    scheduler for ``threshold_s``; or, while no request waits, a serving scheduler in one step
+    of a pass for ``threshold_s``. Reads two attributes of the tokenizer from its own thread,
+    never its event loop (a stalled server's loop is busy waiting too)."""
 
     def __init__(self, tokenizer_manager: Any, plane: InProcessControlPlane,
                  threshold_s: float) -> None:
@@ -121,7 +122,15 @@ class StallWatch:
         last = getattr(self._tm, "last_receive_tstamp", None)
         now = time.time()
         since = self._detector.observe(now, waiting, last)
-        positions = self.positions(now) if since is not None else None
+        positions = None
+        if since is not None:
+            positions = self.positions(now)
+        elif waiting == 0:
+            positions = self.positions(now)
+            serving = [r.rank for r in self._plane.status().ranks
+                       if r.state in (RankState.ACTIVE, RankState.LEAVING)]
+            stuck_s = stuck_in_a_pass(positions, serving, self._detector.threshold_s)
+            since = None if stuck_s is None else now - stuck_s
         self._plane.observe_stall(since, waiting, positions)
 
     def positions(self, now: float) -> list[RankPosition]:

@@ -98,3 +98,88 @@ def test_a_store_that_never_answers_leaves_the_positions_empty(
         assert watch.positions(101.0) == []  # the first read still hangs: no second one
     finally:
         release.set()
+
+
+def test_an_idle_server_stuck_in_a_pass_is_reported_from_the_schedulers_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No request waits, so no answer is due; rank 0 sitting in the gather past the threshold
+    is the stall. It clears once rank 0 rests again."""
+    import json
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep.sglang import background_pollers
+    from sglang_elastic_ep.sglang.background_pollers import StallWatch
+    from sglang_elastic_ep.sglang.pass_progress import report_key
+
+    class Store:
+        def __init__(self) -> None:
+            self.reports: dict[str, bytes] = {}
+
+        def publish(self, rank: int, step: str, since: float, at: float) -> None:
+            report = {"rank": rank, "step": step, "since": since, "passes": 40, "at": at}
+            self.reports[report_key(rank)] = json.dumps(report).encode()
+
+        def check(self, keys: list[str]) -> bool:
+            return all(k in self.reports for k in keys)
+
+        def get(self, key: str) -> bytes:
+            return self.reports[key]
+
+    store = Store()
+    now = [3000.0]
+    monkeypatch.setattr(background_pollers.time, "time", lambda: now[0])
+    monkeypatch.setattr(background_pollers, "rendezvous_store", lambda *a: store)
+    clock = Clock(3000.0)
+    plane = make_plane(engine=FakeEngine(), clock=clock)
+    client = TestClient(make_app(plane))
+    tm = SimpleNamespace(rid_to_state={}, last_receive_tstamp=100.0,
+                         server_args=SimpleNamespace(dist_init_addr="127.0.0.1:1"))
+    watch = StallWatch(tm, plane, threshold_s=5.0)
+
+    store.publish(0, "gather", since=2997.0, at=2999.5)
+    store.publish(1, "idle", since=2000.0, at=2999.5)  # resting for long: not stuck
+    watch.check()
+    assert plane.status().stalled is None  # 3 s in the gather: below the threshold
+
+    now[0] = clock.t = 3010.0
+    store.publish(0, "gather", since=2997.0, at=3009.5)
+    store.publish(1, "idle", since=2000.0, at=3009.5)
+    watch.check()
+    stalled = client.get("/elastic_ep/status").json()["stalled"]
+    assert stalled is not None and stalled["since"] == 2997.0 and stalled["stalled_s"] == 13.0
+    assert stalled["waiting_requests"] == 0
+    assert "no request waits, but a scheduler has been in one step of a pass for 13 s" in \
+        stalled["message"]
+    assert "ranks [0] in step 'gather' for 13 s" in stalled["message"]
+    assert client.get("/elastic_ep/health").json()["stalled"]["waiting_requests"] == 0
+
+    now[0] = clock.t = 3011.0
+    store.publish(0, "idle", since=3010.8, at=3010.9)
+    watch.check()
+    assert plane.status().stalled is None
+
+
+def test_an_idle_server_whose_rank_died_in_a_gather_is_not_stalled_by_that_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead rank's last report stays in the store, in the gather it died in: stopped, which
+    the failure handling covers, not a stuck scheduler."""
+    import json
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep.sglang import background_pollers
+    from sglang_elastic_ep.sglang.background_pollers import StallWatch
+    from sglang_elastic_ep.sglang.pass_progress import report_key
+
+    reports = {report_key(1): json.dumps({"rank": 1, "step": "gather", "since": 3000.0,
+                                          "passes": 9, "at": 3000.5}).encode()}
+    store = SimpleNamespace(check=lambda keys: all(k in reports for k in keys),
+                            get=lambda key: reports[key])
+    monkeypatch.setattr(background_pollers.time, "time", lambda: 3100.0)
+    monkeypatch.setattr(background_pollers, "rendezvous_store", lambda *a: store)
+    plane = make_plane(engine=FakeEngine(), clock=Clock(3100.0))
+    tm = SimpleNamespace(rid_to_state={}, last_receive_tstamp=100.0,
+                         server_args=SimpleNamespace(dist_init_addr="127.0.0.1:1"))
+    StallWatch(tm, plane, threshold_s=5.0).check()
+    assert plane.status().stalled is None

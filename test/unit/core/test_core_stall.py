@@ -1,10 +1,12 @@
-"""The stall verdict: requests wait and no scheduler answered for longer than the threshold."""
+"""The stall verdicts: requests wait and no scheduler answered for longer than the threshold; or
+no request waits and a serving scheduler has sat in one step of a pass for that long."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_elastic_ep.core.stall import StallDetector
+from sglang_elastic_ep.core.api_models import RankPosition
+from sglang_elastic_ep.core.stall import StallDetector, stuck_in_a_pass
 
 
 def test_waiting_requests_without_answers_stall_after_the_threshold() -> None:
@@ -37,3 +39,28 @@ def test_no_answer_ever_counts_from_the_first_wait() -> None:
 def test_a_threshold_must_be_positive(threshold: float) -> None:
     with pytest.raises(ValueError, match="must be > 0"):
         StallDetector(threshold)
+
+
+def _at(rank: int, step: str, in_step_s: float, report_age_s: float = 0.5) -> RankPosition:
+    return RankPosition(rank=rank, step=step, in_step_s=in_step_s, passes=7,
+                        report_age_s=report_age_s)
+
+
+def test_an_idle_server_is_stuck_when_a_live_serving_rank_outstays_the_threshold_in_a_pass(
+) -> None:
+    ranks = [0, 1, 2]
+    # Resting between passes, however long, is not stuck; nor is a short step.
+    assert stuck_in_a_pass([_at(0, "idle", 900.0), _at(1, "gather", 9.0)], ranks, 10.0) is None
+    assert stuck_in_a_pass([_at(0, "starting", 900.0)], ranks, 10.0) is None
+    # The longest-stuck rank gives the duration; a membership step counts like the gather.
+    stuck = [_at(0, "gather", 42.0), _at(1, "scale-down to 2", 12.0), _at(2, "idle", 50.0)]
+    assert stuck_in_a_pass(stuck, ranks, 10.0) == 42.0
+    assert stuck_in_a_pass([_at(1, "forward", 11.0)], ranks, 10.0) == 11.0
+
+
+def test_a_stopped_or_not_serving_rank_is_not_counted_as_stuck() -> None:
+    # A dead rank's last report stays in the store: old, so it is stopped, not stuck.
+    dead = _at(2, "gather", 300.0, report_age_s=290.0)
+    assert stuck_in_a_pass([dead], [0, 1, 2], 10.0) is None
+    # A rank outside the serving set (removed, released) is not looked at.
+    assert stuck_in_a_pass([_at(3, "gather", 300.0)], [0, 1, 2], 10.0) is None
