@@ -14,11 +14,13 @@ same arguments, rejoins in place at 3 ranks while the scale-joined rank 2 serves
 operation commits. The steps are the phase plan
 ``test/plans/kill_a_node_and_recover_it.json``.
 
-A second test kills node 1 and the scale joiner together (``kill_a_node_and_its_joiner_together``)
-and brings both back. A third shrinks a three-node deployment below its launch size, kills and
-recovers a launch-time node at the smaller size, and refills the released launch slot with a
-joiner (``shrink_then_recover_a_launch_node_then_refill``). A fourth, outside the default
-suite (``long``), kills two launch-time nodes at once after a scale-up and brings both back
+The same cluster then goes on with a second plan from its step ``[0, 1, 2]``: node 1 and the scale
+joiner are killed together (``kill_a_node_and_its_joiner_together``) and both come back (one
+cluster for both saves a start-up and a scale-up of the suite's time). A second test shrinks a
+three-node deployment below its launch size, kills and recovers a launch-time node at the smaller
+size, and refills the released launch slot with a joiner
+(``shrink_then_recover_a_launch_node_then_refill``). A third, outside the default suite (``long``),
+kills two launch-time nodes at once after a scale-up and brings both back
 (``kill_two_launch_nodes_at_once``).
 """
 
@@ -35,7 +37,13 @@ from sglang_elastic_ep_testbed.cluster import LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
 from sglang_elastic_ep_testbed.cluster.observe import WebhookReceiver, metric, sse_events
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
-from sglang_elastic_ep_testbed.cluster.plans import Step, load_plan, plan_spec, run_plan
+from sglang_elastic_ep_testbed.cluster.plans import (
+    PlanRunner,
+    Step,
+    load_plan,
+    plan_spec,
+    run_plan,
+)
 
 
 def event_types(events: list[dict], ranks: list[int]) -> list[str]:
@@ -45,11 +53,12 @@ def event_types(events: list[dict], ranks: list[int]) -> list[str]:
 PLAN = Path(__file__).parents[1] / "plans" / "kill_a_node_and_recover_it.json"
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
     """The plan [[0, 1], [0, -1], [0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0, 1, 2]] (the runner
     checks the set, the serving shards, the lost requests and the outputs at each step), plus
-    what an orchestrator sees on the way."""
+    what an orchestrator sees on the way; then node 1 and the joiner killed together
+    (``node_and_joiner_killed_together``)."""
     steps = load_plan(PLAN)
     hook = WebhookReceiver()
     spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics",
@@ -120,6 +129,9 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             assert event_types(events, [1]) == expected, events
             delivered = hook.wait_for(lambda got: event_types(got, [1]) == expected)
             assert event_types(delivered, [1]) == expected, delivered
+
+            # The same cluster goes on with the next plan from its step [0, 1, 2].
+            node_and_joiner_killed_together(cluster, runner)
     finally:
         hook.close()
 
@@ -127,31 +139,30 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
 TOGETHER = Path(__file__).parents[1] / "plans" / "kill_a_node_and_its_joiner_together.json"
 
 
-@pytest.mark.timeout(1200)
-def test_a_node_and_the_joiner_killed_together_both_come_back(tiny_model: Path) -> None:
-    """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]]: after a scale-up to 3, node 1
-    (launch-time rank 1) and the scale joiner (rank 2) are killed together. Rank 0 lets slot 2
-    go and serves alone; node 1's relaunch rejoins at 2 ranks and waits with rank 0 for slot 2's
-    replacement, which both then admit back to 3. Four clients: a death is noticed by a forward
-    pass that needs the dead rank, so rank 0 must hold a request when the two die
-    (docs/cpu-testbed.md, "A known gap")."""
+def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -> None:
+    """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]] from its step [0, 1, 2] (where
+    ``before`` left ``cluster``): node 1 (launch-time rank 1) and the scale joiner (rank 2) are
+    killed together. Rank 0 lets slot 2 go and serves alone; node 1's relaunch rejoins at 2
+    ranks and waits with rank 0 for slot 2's replacement, which both then admit back to 3. Four
+    clients: a death is noticed by a forward pass that needs the dead rank, so rank 0 must hold
+    a request when the two die (docs/cpu-testbed.md, "A known gap")."""
     steps = load_plan(TOGETHER)
-    with LocalCluster(plan_spec(tiny_model, steps)) as cluster:
-        runner = run_plan(cluster, steps, concurrency=4)
-        survivor_log = cluster.primary.log_path.read_text(errors="replace")
-        assert "ranks 2..2 failed; the survivors let go of their slots and serve on 2" \
-            in survivor_log
-        assert "launch-time ranks [1] rejoined: serving on 2 ranks again" in survivor_log
-        node1_log = cluster.followers[1].log_path.read_text(errors="replace")
-        for line in ("rank 1 rejoins at the size the survivors serve on: 2 ranks",
-                     "the survivors wait for the replacement of ranks 2..2: this rank waits "
-                     "with them",
-                     "replacement of launch-time rank 1 serves again; its rejoin: rejoining",
-                     "replacement for ranks 2..2 registered: re-admitting it"):
-            assert line in node1_log, line
-        joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
-        assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
-        assert read_status(cluster.url)["effective_ep_size"] == 3
+    assert plan_spec(cluster.spec.model_path, steps).nodes == cluster.spec.nodes
+    runner = run_plan(cluster, steps, concurrency=4, after=before, from_step=1)
+    survivor_log = cluster.primary.log_path.read_text(errors="replace")
+    assert "ranks 2..2 failed; the survivors let go of their slots and serve on 2" \
+        in survivor_log
+    assert "launch-time ranks [1] rejoined: serving on 2 ranks again" in survivor_log
+    node1_log = cluster.followers[1].log_path.read_text(errors="replace")
+    for line in ("rank 1 rejoins at the size the survivors serve on: 2 ranks",
+                 "the survivors wait for the replacement of ranks 2..2: this rank waits "
+                 "with them",
+                 "replacement of launch-time rank 1 serves again; its rejoin: rejoining",
+                 "replacement for ranks 2..2 registered: re-admitting it"):
+        assert line in node1_log, line
+    joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
+    assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
+    assert read_status(cluster.url)["effective_ep_size"] == 3
 
 
 AFTER_A_SHRINK = (Path(__file__).parents[1] / "plans"

@@ -60,6 +60,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     wait_operation,
     wait_rank_state,
     wait_rebalanced,
+    wait_status,
 )
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
@@ -132,6 +133,7 @@ def rank_events(events: list[dict], rank: int) -> list[str]:
 
 RECOVERY_EVENTS = ["rank_failed", "recovery_required", "rank_recovered"]
 FAULT_SEEN_S = 90
+DEFAULT_STALL_TIMEOUT_S = 60  # --elastic-ep-stall-timeout's default
 # Two clients, back to back: a dead rank is noticed in a forward pass that needs it, and a
 # request routed to the dead shard waits until then; with one client that request alone could
 # leave every live rank idle, and the death unnoticed (docs/cpu-testbed.md).
@@ -296,7 +298,13 @@ def test_the_recovered_joiner_killed_again_is_removed(tiny_model: Path) -> None:
         try:
             replacement, _, _ = grow_kill_and_recover(cluster, load)
             cluster.kill_server(replacement)
-            wait_rank_state(url, 2, "failed", FAULT_SEEN_S)
+            # The known hang shows as a stall report (never a silent "active"): say which.
+            seen = wait_status(
+                url, lambda s: s if s["ranks"][2]["state"] == "failed" or s["stalled"] else None,
+                FAULT_SEEN_S + DEFAULT_STALL_TIMEOUT_S, "rank 2 failed, or a stall reported")
+            if seen["ranks"][2]["state"] != "failed":
+                pytest.fail(f"the known hang: the survivors stopped after the second kill; the "
+                            f"status reports it: {seen['stalled']['message']}")
             grow = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
             assert grow.status_code == 409, grow.text  # not while a rank is failed
             removal = remove_failed_tail(url, new_ep_size=2, timeout_s=FAULT_SEEN_S)

@@ -118,3 +118,21 @@ def test_the_cli_refuses_a_plan_before_starting_anything(tmp_path: Path,
     (tmp_path / "broken.json").write_text("[[0, 1],")
     assert plans.main([str(tmp_path / "broken.json")]) == 2
     assert "not a readable JSON plan" in capsys.readouterr().err
+
+
+def test_a_plan_chained_after_another_runs_only_the_steps_after_its_start() -> None:
+    """``run(from_step)``: the cluster already is in ``steps[from_step]``'s state (an earlier
+    plan left it there), so only the later steps are driven, in order, each then checked."""
+    from sglang_elastic_ep_testbed.cluster.plans import PlanRunner
+
+    steps = steps_of([[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]])
+    done: list[tuple[str, int]] = []
+    runner = PlanRunner(cluster=None, steps=steps, load=None)  # type: ignore[arg-type]
+    for kind in ("grow", "kill", "recover"):
+        setattr(runner, f"_{kind}", lambda step, kind=kind: done.append((kind, step.index)))
+    runner.check = lambda step: done.append(("check", step.index)) or {}  # type: ignore
+    runner.run(from_step=1)
+    assert done == [("kill", 2), ("check", 2), ("recover", 3), ("check", 3)]
+    done.clear()
+    runner.run()
+    assert done[:2] == [("grow", 1), ("check", 1)] and len(done) == 6

@@ -204,8 +204,8 @@ class PlanRunner:
     joiners: dict[int, ServerProcess] = field(default_factory=dict)  # rank -> its server
     kills: list[float] = field(default_factory=list)  # monotonic times of the kill steps
 
-    def run(self) -> None:
-        for step in self.steps[1:]:
+    def run(self, from_step: int = 0) -> None:
+        for step in self.steps[from_step + 1:]:
             print(f"[plan] step {step.index}: {step.kind} {list(step.ranks)} -> active "
                   f"{list(step.active)}", flush=True)
             getattr(self, f"_{step.kind}")(step)
@@ -334,15 +334,23 @@ def assert_only_killed_requests_lost(results: Sequence[RequestResult], kills: Se
 
 
 def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int = 2,
-             after_step: Callable[[Step, dict], None] | None = None) -> PlanRunner:
+             after_step: Callable[[Step, dict], None] | None = None,
+             after: PlanRunner | None = None, from_step: int = 0) -> PlanRunner:
     """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
-    runner (its reference outputs, kills and joiners) for further checks."""
-    reference = greedy_reference(cluster.url)
+    runner (its reference outputs, kills and joiners) for further checks.
+
+    ``after``, ``from_step``: go on where an earlier plan on this cluster (its runner) left
+    off, which must be the state of ``steps[from_step]`` (checked): the steps after it run,
+    with that runner's joiners and reference outputs. Chaining saves a cluster start and the
+    steps that only rebuild a state."""
+    reference = after.reference if after is not None else greedy_reference(cluster.url)
     load = LoadClient(cluster.url, concurrency=concurrency, max_new_tokens=8).start()
     runner = PlanRunner(cluster, steps, load, after_step, reference)
+    if after is not None:
+        runner.joiners = after.joiners
     try:
-        runner.check(steps[0])
-        runner.run()
+        runner.check(steps[from_step])
+        runner.run(from_step)
     finally:
         results = load.stop()
     assert_only_killed_requests_lost(results, runner.kills, reference, concurrency)
