@@ -28,22 +28,41 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from sglang_elastic_ep_testbed.cluster import LocalCluster
+from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
-from sglang_elastic_ep_testbed.cluster.observe import WebhookReceiver, metric, sse_events
+from sglang_elastic_ep_testbed.cluster.observe import (
+    WebhookReceiver,
+    metric,
+    sse_events,
+    wait_each_shard_serves,
+    wait_status,
+)
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.plans import (
+    CHANGE_S,
+    FAULT_SEEN_S,
+    SERVES_S,
     PlanRunner,
     Step,
     load_plan,
     plan_spec,
     run_plan,
 )
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
+
+
+def read_from(log: Path, offset: int) -> str:
+    """What ``log`` gained after byte ``offset``."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
 
 
 def event_types(events: list[dict], ranks: list[int]) -> list[str]:
@@ -148,7 +167,32 @@ def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -
     a request when the two die (docs/cpu-testbed.md, "A known gap")."""
     steps = load_plan(TOGETHER)
     assert plan_spec(cluster.spec.model_path, steps).nodes == cluster.spec.nodes
-    runner = run_plan(cluster, steps, concurrency=4, after=before, from_step=1)
+    killed_in_recovery: list[str] = []
+
+    def kill_the_first_replacement_as_it_is_taken_back(runner: PlanRunner, rank: int,
+                                                       server: ServerProcess) -> None:
+        """The fault row "a replacement killed during its own recovery": SIGKILL node 1's
+        first replacement the moment rank 0 logs that it takes it back. Wherever the kill
+        lands (inside the take-back, or just after it), the promise is the same: rank 0
+        serves on, the rank shows failed, and the next relaunch is taken back."""
+        if killed_in_recovery:
+            return
+        taking_back = f"takes back launch-time ranks [{rank}]"
+        log = cluster.primary.log_path
+        offset = log.stat().st_size
+        wait_until(lambda: taking_back in read_from(log, offset), CHANGE_S,
+                   f"rank 0 taking back rank {rank}", poll_s=0.05)
+        runner.kills.append(time.monotonic())
+        cluster.kill_server(server)
+        killed_in_recovery.append(read_from(log, offset))
+        wait_status(cluster.url, lambda s: s if s["ranks"][rank]["state"] == "failed" else None,
+                    FAULT_SEEN_S, f"rank {rank} failed again")
+        wait_each_shard_serves(runner.load, [0], SERVES_S)
+        cluster.start_node(rank, recover=True)
+
+    runner = run_plan(cluster, steps, concurrency=4, after=before, from_step=1,
+                      on_relaunch=kill_the_first_replacement_as_it_is_taken_back)
+    assert killed_in_recovery, "the first replacement was never killed"
     survivor_log = cluster.primary.log_path.read_text(errors="replace")
     assert "ranks 2..2 failed; the survivors let go of their slots and serve on 2" \
         in survivor_log

@@ -136,3 +136,21 @@ def test_a_plan_chained_after_another_runs_only_the_steps_after_its_start() -> N
     done.clear()
     runner.run()
     assert done[:2] == [("grow", 1), ("check", 1)] and len(done) == 6
+
+
+def test_a_relaunch_hook_sees_each_launch_time_replacement_before_the_wait_for_it() -> None:
+    """``on_relaunch``: the fault a scenario injects into a recovery runs right after the
+    replacement started, before the runner waits for the rank to serve."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep_testbed.cluster.plans import PlanRunner
+
+    steps = steps_of([[0, 1], [0, -1], [0, 1]])
+    done: list[object] = []
+    cluster = SimpleNamespace(
+        start_node=lambda rank, recover: done.append(("start", rank, recover)) or f"node{rank}")
+    runner = PlanRunner(cluster=cluster, steps=steps, load=None,  # type: ignore[arg-type]
+                        on_relaunch=lambda r, rank, server: done.append(("hook", rank, server)))
+    runner._wait_state = lambda rank, state, timeout_s: done.append(("wait", rank, state))  # type: ignore
+    runner._recover(steps[2])
+    assert done == [("start", 1, True), ("hook", 1, "node1"), ("wait", 1, "active")]

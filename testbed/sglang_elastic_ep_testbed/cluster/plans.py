@@ -194,7 +194,10 @@ SERVES_S = 180  # for every active shard to serve after a change
 class PlanRunner:
     """Drives ``cluster`` (started for the plan's launch set) through ``steps`` under ``load``.
 
-    ``after_step(step, status)`` runs once each step is checked (scenario-specific checks)."""
+    ``after_step(step, status)`` runs once each step is checked (scenario-specific checks).
+    ``on_relaunch(runner, rank, server)`` runs right after a launch-time rank's replacement
+    started (a fault to inject into its recovery: it may kill it and start another, noting the
+    kill in ``kills``); the runner then waits for the rank to serve as usual."""
 
     cluster: LocalCluster
     steps: Sequence[Step]
@@ -203,6 +206,7 @@ class PlanRunner:
     reference: dict[str, list[int]] = field(default_factory=dict)  # prompt -> greedy tokens
     joiners: dict[int, ServerProcess] = field(default_factory=dict)  # rank -> its server
     kills: list[float] = field(default_factory=list)  # monotonic times of the kill steps
+    on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None
 
     def run(self, from_step: int = 0) -> None:
         for step in self.steps[from_step + 1:]:
@@ -244,7 +248,9 @@ class PlanRunner:
         # Launch-time ranks first, all at once: the survivors take them back together, once
         # every replacement is in WORLD. Then the joiners, one at a time.
         for rank in nodes:
-            self.cluster.start_node(rank, recover=True)
+            server = self.cluster.start_node(rank, recover=True)
+            if self.on_relaunch is not None:
+                self.on_relaunch(self, rank, server)
         for rank in nodes:
             self._wait_state(rank, "active", CHANGE_S)
         for rank in step.ranks:
@@ -335,7 +341,9 @@ def assert_only_killed_requests_lost(results: Sequence[RequestResult], kills: Se
 
 def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int = 2,
              after_step: Callable[[Step, dict], None] | None = None,
-             after: PlanRunner | None = None, from_step: int = 0) -> PlanRunner:
+             after: PlanRunner | None = None, from_step: int = 0,
+             on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None,
+             ) -> PlanRunner:
     """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
     runner (its reference outputs, kills and joiners) for further checks.
 
@@ -345,7 +353,7 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
     steps that only rebuild a state."""
     reference = after.reference if after is not None else greedy_reference(cluster.url)
     load = LoadClient(cluster.url, concurrency=concurrency, max_new_tokens=8).start()
-    runner = PlanRunner(cluster, steps, load, after_step, reference)
+    runner = PlanRunner(cluster, steps, load, after_step, reference, on_relaunch=on_relaunch)
     if after is not None:
         runner.joiners = after.joiners
     try:
