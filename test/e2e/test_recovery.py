@@ -167,32 +167,7 @@ def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -
     a request when the two die (docs/cpu-testbed.md, "A known gap")."""
     steps = load_plan(TOGETHER)
     assert plan_spec(cluster.spec.model_path, steps).nodes == cluster.spec.nodes
-    killed_in_recovery: list[str] = []
-
-    def kill_the_first_replacement_as_it_is_taken_back(runner: PlanRunner, rank: int,
-                                                       server: ServerProcess) -> None:
-        """The fault row "a replacement killed during its own recovery": SIGKILL node 1's
-        first replacement the moment rank 0 logs that it takes it back. Wherever the kill
-        lands (inside the take-back, or just after it), the promise is the same: rank 0
-        serves on, the rank shows failed, and the next relaunch is taken back."""
-        if killed_in_recovery:
-            return
-        taking_back = f"takes back launch-time ranks [{rank}]"
-        log = cluster.primary.log_path
-        offset = log.stat().st_size
-        wait_until(lambda: taking_back in read_from(log, offset), CHANGE_S,
-                   f"rank 0 taking back rank {rank}", poll_s=0.05)
-        runner.kills.append(time.monotonic())
-        cluster.kill_server(server)
-        killed_in_recovery.append(read_from(log, offset))
-        wait_status(cluster.url, lambda s: s if s["ranks"][rank]["state"] == "failed" else None,
-                    FAULT_SEEN_S, f"rank {rank} failed again")
-        wait_each_shard_serves(runner.load, [0], SERVES_S)
-        cluster.start_node(rank, recover=True)
-
-    runner = run_plan(cluster, steps, concurrency=4, after=before, from_step=1,
-                      on_relaunch=kill_the_first_replacement_as_it_is_taken_back)
-    assert killed_in_recovery, "the first replacement was never killed"
+    runner = run_plan(cluster, steps, concurrency=4, after=before, from_step=1)
     survivor_log = cluster.primary.log_path.read_text(errors="replace")
     assert "ranks 2..2 failed; the survivors let go of their slots and serve on 2" \
         in survivor_log
@@ -207,6 +182,48 @@ def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -
     joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
     assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
     assert read_status(cluster.url)["effective_ep_size"] == 3
+
+
+@pytest.mark.known_hang(
+    "a replacement killed as the survivor takes it back is taken back anyway (Mooncake's view "
+    "update admits it after its 20 s barrier timeout), and the survivor's next dispatch then "
+    "waits up to 300 s in the NIXL handshake with the dead process, with the rank shown active "
+    "(docs/cpu-testbed.md, 'A known hang: a joiner or replacement killed on its admission "
+    "pass'); about 9 minutes")
+@pytest.mark.timeout(1800)
+def test_a_replacement_killed_as_it_is_taken_back_is_failed_and_relaunched(
+        tiny_model: Path) -> None:
+    """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]], with node 1's first replacement
+    SIGKILLed the moment rank 0 logs that it takes it back (the fault row "a replacement killed
+    during its own recovery"). Wherever the kill lands (inside the take-back, or just after
+    it), the promise is the same: rank 0 serves on, rank 1 shows failed, and the next relaunch
+    is taken back."""
+    steps = load_plan(TOGETHER)
+    killed_in_recovery: list[str] = []
+    with LocalCluster(plan_spec(tiny_model, steps)) as cluster:
+
+        def kill_the_first_replacement_as_it_is_taken_back(runner: PlanRunner, rank: int,
+                                                           server: ServerProcess) -> None:
+            """Kill the first replacement as rank 0 takes it back; relaunch once it shows
+            failed and rank 0 serves alone."""
+            if killed_in_recovery:
+                return
+            taking_back = f"takes back launch-time ranks [{rank}]"
+            log = cluster.primary.log_path
+            offset = log.stat().st_size
+            wait_until(lambda: taking_back in read_from(log, offset), CHANGE_S,
+                       f"rank 0 taking back rank {rank}", poll_s=0.05)
+            runner.kills.append(time.monotonic())
+            cluster.kill_server(server)
+            killed_in_recovery.append(read_from(log, offset))
+            wait_status(cluster.url, lambda s: s if s["ranks"][rank]["state"] == "failed" else None,
+                        FAULT_SEEN_S, f"rank {rank} failed again")
+            wait_each_shard_serves(runner.load, [0], SERVES_S)
+            cluster.start_node(rank, recover=True)
+
+        run_plan(cluster, steps, concurrency=4,
+                 on_relaunch=kill_the_first_replacement_as_it_is_taken_back)
+        assert killed_in_recovery, "the first replacement was never killed"
 
 
 AFTER_A_SHRINK = (Path(__file__).parents[1] / "plans"
