@@ -23,6 +23,7 @@ import pytest
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import greedy_reference
 from sglang_elastic_ep_testbed.cluster.observe import (
+    log_since,
     post_scale,
     wait_each_shard_serves,
     wait_operation,
@@ -40,12 +41,6 @@ from sglang_elastic_ep_testbed.cluster.waits import wait_until
 LOAD_CLIENTS = 2
 SCALE_TIMEOUT_S = 240  # --elastic-ep-scale-timeout (above the 120 s drain timeout): a scale-up
 # left pending fails by then
-
-
-def read_from(log: Path, offset: int) -> str:
-    with open(log, "rb") as f:
-        f.seek(offset)
-        return f.read().decode(errors="replace")
 
 
 @pytest.mark.known_hang(
@@ -69,7 +64,7 @@ def test_a_joiner_killed_on_the_pass_that_admits_it(tiny_model: Path) -> None:
             offset = primary_log.stat().st_size
             joiner = cluster.start_joiner("scale", rank_offset=2)
             post_scale(url, 3, "grow")
-            wait_until(lambda: "enters the scale-up to 3" in read_from(primary_log, offset),
+            wait_until(lambda: "enters the scale-up to 3" in log_since(primary_log, offset),
                        CHANGE_S, "rank 0 entering the scale-up to 3", poll_s=0.02)
             kills.append(time.monotonic())
             cluster.kill_server(joiner)

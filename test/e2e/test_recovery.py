@@ -39,6 +39,7 @@ from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
 from sglang_elastic_ep_testbed.cluster.observe import (
     WebhookReceiver,
+    log_since,
     metric,
     sse_events,
     wait_each_shard_serves,
@@ -56,13 +57,6 @@ from sglang_elastic_ep_testbed.cluster.plans import (
     run_plan,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
-
-
-def read_from(log: Path, offset: int) -> str:
-    """What ``log`` gained after byte ``offset``."""
-    with open(log, "rb") as f:
-        f.seek(offset)
-        return f.read().decode(errors="replace")
 
 
 def event_types(events: list[dict], ranks: list[int]) -> list[str]:
@@ -211,11 +205,11 @@ def test_a_replacement_killed_as_it_is_taken_back_is_failed_and_relaunched(
             taking_back = f"takes back launch-time ranks [{rank}]"
             log = cluster.primary.log_path
             offset = log.stat().st_size
-            wait_until(lambda: taking_back in read_from(log, offset), CHANGE_S,
+            wait_until(lambda: taking_back in log_since(log, offset), CHANGE_S,
                        f"rank 0 taking back rank {rank}", poll_s=0.05)
             runner.kills.append(time.monotonic())
             cluster.kill_server(server)
-            killed_in_recovery.append(read_from(log, offset))
+            killed_in_recovery.append(log_since(log, offset))
             wait_status(cluster.url, lambda s: s if s["ranks"][rank]["state"] == "failed" else None,
                         FAULT_SEEN_S, f"rank {rank} failed again")
             wait_each_shard_serves(runner.load, [0], SERVES_S)

@@ -122,11 +122,8 @@ class StallWatch:
         last = getattr(self._tm, "last_receive_tstamp", None)
         now = time.time()
         since = self._detector.observe(now, waiting, last)
-        positions = None
-        if since is not None:
-            positions = self.positions(now)
-        elif waiting == 0:
-            positions = self.positions(now)
+        positions = self.positions(now) if since is not None or waiting == 0 else None
+        if since is None and positions is not None:
             serving = [r.rank for r in self._plane.status().ranks
                        if r.state in (RankState.ACTIVE, RankState.LEAVING)]
             stuck_s = stuck_in_a_pass(positions, serving, self._detector.threshold_s)

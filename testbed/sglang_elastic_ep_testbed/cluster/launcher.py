@@ -79,8 +79,8 @@ class ClusterSpec:
     max_total_tokens: int = 4096
     collective_timeout_s: float = 2.0
     # Well above twice the collective timeout: every survivor must report a death within the
-    # window, and one that notices late (an idle rank, through Mooncake's health check) took 7 s
-    # once (docs/operations.md, "Before launch").
+    # window, and one that notices only through Mooncake's link health check (an idle rank) is
+    # seconds late (docs/operations.md, "Before launch").
     fault_window_s: float = 10.0
     extra_args: list[str] = field(default_factory=list)
     log_dir: Path = DEFAULT_LOG_DIR

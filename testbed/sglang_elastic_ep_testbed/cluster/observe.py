@@ -206,3 +206,10 @@ class WebhookReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def log_since(log: Path, offset: int) -> str:
+    """What ``log`` gained after byte ``offset`` (a server log's size before an action)."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
