@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_elastic_ep.backends.nixl_membership import (
+    ARRIVAL_POLL_S,
     BufferSizing,
     MembershipOrderError,
     NixlMembership,
@@ -661,3 +662,100 @@ def test_prepare_data_plane_creates_the_buffer_then_connects_only_when_asked(
     assert len(created) == 1  # the buffer is made once
     assert buf.calls == [("connect", (0, 1, 2))] and buf.remote == [0, 1]
     assert (state.connected_ep_size, state.dispatch_ep_size) == (3, 3)
+
+
+# ------------------------------------------------------------------- peers gone before the connect
+
+
+class ArrivalStore:
+    """The TCPStore calls the arrival wait makes; ``arrive`` plays a peer reaching its connect."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, bytes] = {}
+        self.on_check: list[object] = []
+
+    def set(self, key: str, value: bytes) -> None:
+        self.keys[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.keys for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.keys.pop(key, None) is not None
+
+    def arrive(self, rank: int) -> None:
+        self.set(f"elastic-ep/nixl-arrival/{rank}", b"1")
+
+
+def make_with_arrivals(
+    alive: dict[int, bool], *, rank: int = 0, founders: int = 2, timeout_s: float = 300.0
+) -> tuple[NixlMembership, RecordingBuffer, FakeTime, ArrivalStore]:
+    ft = FakeTime()
+    buf = RecordingBuffer(rank, founders, itertools.count())
+    store = ArrivalStore()
+    buf.tcp_store_group = store  # type: ignore[attr-defined]
+    m = NixlMembership(clock=ft.clock, sleep=ft.sleep, arrival_timeout_s=timeout_s,
+                       members_alive=lambda ranks: [alive.get(r, True) for r in ranks])
+    m.attach(buf, rank=rank, max_ep_size=4, initial_ep_size=founders)
+    store.arrive(1 - rank)
+    m.ensure_connected()
+    return m, buf, ft, store
+
+
+def test_a_joiner_dead_before_its_connect_is_dropped_once_mooncake_counts_it_out() -> None:
+    alive = {2: True}
+    m, buf, ft, store = make_with_arrivals(alive)
+    activate(m, buf, [2])
+    m.on_scale(3)
+    polls: list[float] = []
+
+    def sleep(s: float) -> None:
+        polls.append(s)
+        ft.now += s
+        if len(polls) == 3:
+            alive[2] = False  # Mooncake's view drops the dead joiner
+
+    m._sleep = sleep
+    m.ensure_connected()
+    assert len(polls) == 3  # waited for its arrival until it was counted out, no longer
+    assert buf.calls == [("connect", (0, 1))]  # no connect with the dead process at all
+    assert m.dropped == [2] and not m.pending and m.connected_ep_size == 2
+    assert store.keys == {"elastic-ep/nixl-arrival/1": b"1"}  # the own mark is withdrawn
+
+
+def test_peers_that_arrived_are_connected_and_a_dead_one_with_a_stale_mark_is_not() -> None:
+    m, buf, ft, store = make_with_arrivals({3: False}, founders=2)
+    activate(m, buf, [2, 3])
+    m.on_scale(4)
+    store.arrive(2)
+    store.arrive(3)  # left by a process killed inside its connect
+    m.ensure_connected()
+    assert buf.calls[-1] == ("connect", (2,)) and m.dropped == [3]
+    assert ft.slept == []  # everyone alive had arrived: no wait
+    assert m.connected_ep_size == 3
+
+
+def test_a_peer_alive_but_late_past_the_timeout_is_connected_anyway() -> None:
+    m, buf, ft, _ = make_with_arrivals({}, timeout_s=1.0)
+    activate(m, buf, [2])
+    m.on_scale(3)
+    m.ensure_connected()
+    assert buf.calls[-1] == ("connect", (2,)) and m.dropped == []
+    # the buffer's own wait takes over from here
+    assert 1.0 <= sum(ft.slept) <= 1.0 + ARRIVAL_POLL_S + 1e-9
+
+
+def test_a_dropped_rank_is_connected_when_its_replacement_is_taken_back() -> None:
+    alive = {2: False}
+    m, buf, _, store = make_with_arrivals(alive)
+    activate(m, buf, [2])
+    m.on_scale(3)
+    m.ensure_connected()
+    assert m.dropped == [2]
+    alive[2] = True
+    store.arrive(2)
+    buf.activated([2])
+    m.replace([2])
+    m.ensure_connected()  # nothing to disconnect: the dead process was never connected
+    assert buf.calls[-1] == ("connect", (2,)) and buf.remote == [1, 2]
+    assert m.connected_ep_size == 3

@@ -1,9 +1,9 @@
 """When the NIXL EP buffer connects and disconnects ranks.
 
 ``nixl_ep.Buffer.connect_ranks`` is a two-sided handshake through the TCPStore: it publishes this
-rank's metadata and blocks, with no timeout of its own, until every named peer has published
-theirs. A peer can only publish once it has joined (Mooncake ``activate_ranks`` has returned on
-the existing ranks), so asking for a connection any earlier is a circular wait (RFC "MoE buffer
+rank's metadata and blocks, for up to 300 s, until every named peer has published theirs. A
+peer can only publish once it has joined (Mooncake ``activate_ranks`` has returned on the
+existing ranks), so asking for a connection any earlier is a circular wait (RFC "MoE buffer
 connection ordering"). Disconnecting a rank that still has tokens in flight loses them, so a
 disconnect must follow the drain. This module owns that ordering:
 
@@ -18,6 +18,13 @@ The buffer is duck-typed (``connect_ranks(list)``, ``disconnect_ranks(list)``, a
 ``update_memory_buffers(...)`` plus a ``get_rdma_size_hint`` static method), so the same code
 drives the real ``nixl_ep.Buffer`` and any buffer with its interface (a CPU one, a recording
 stand-in in tests). Nothing here imports SGLang, NIXL or torch.
+
+A peer that dies before it reaches its own ``connect_ranks`` (a joiner killed on the pass that
+admits it, a replacement killed as it is taken back) never publishes, and the survivors would
+wait out those 300 s inside the buffer, serving nothing. So before each connect every rank marks
+its arrival in the TCPStore and waits until each peer has marked its own, dropping a peer that
+Mooncake's WORLD no longer counts as active (:meth:`NixlMembership._await_peers`). A peer that
+arrived is at most a few instructions away from publishing its metadata.
 
 Threading: SGLang runs the per-forward poll (which calls ``on_scale``) and the MoE dispatch on the
 same scheduler thread, so there is no locking.
@@ -40,6 +47,12 @@ NIXL_MAX_DISPATCH_TOKENS_PER_RANK = 1024
 # nixl_ep's own elastic test sleeps this long between disconnecting a rank and connecting a
 # (new) rank with the same id, to avoid racing the invalidation of the old metadata.
 DEFAULT_RECONNECT_GRACE_S = 5.0
+
+# How long a rank waits for its peers to reach the connect (nixl_ep's own metadata wait): past
+# it the connect goes ahead and the buffer's wait applies.
+DEFAULT_ARRIVAL_TIMEOUT_S = 300.0
+ARRIVAL_POLL_S = 0.05
+ARRIVAL_KEY_PREFIX = "elastic-ep/nixl-arrival"
 
 SizeHint = Callable[[int, int, int, int], int]
 
@@ -198,6 +211,10 @@ class NixlMembership:
         before_connect: called with the buffer before each ``connect_ranks`` (upstream refreshes
             the buffer's TCPStore there).
         on_applied: called after every applied change (e.g. to mirror sizes into upstream state).
+        members_alive: which of the given ranks the cluster's membership (Mooncake's WORLD
+            view) still counts as active. With it, and a buffer whose ``tcp_store_group`` is set,
+            each connect first waits for its peers to arrive and drops the dead ones.
+        arrival_timeout_s: how long that wait lasts at most.
     """
 
     def __init__(
@@ -207,6 +224,8 @@ class NixlMembership:
         reconnect_grace_s: float = DEFAULT_RECONNECT_GRACE_S,
         before_connect: Callable[[Any], None] | None = None,
         on_applied: Callable[[NixlMembership], None] | None = None,
+        members_alive: Callable[[list[int]], list[bool]] | None = None,
+        arrival_timeout_s: float = DEFAULT_ARRIVAL_TIMEOUT_S,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -214,6 +233,8 @@ class NixlMembership:
         self.reconnect_grace_s = reconnect_grace_s
         self._before_connect = before_connect
         self._on_applied = on_applied
+        self._members_alive = members_alive
+        self.arrival_timeout_s = arrival_timeout_s
         self._sleep = sleep
         self._clock = clock
 
@@ -236,6 +257,7 @@ class NixlMembership:
         self._disconnected_at: dict[int, float] = {}
         self._leaving = False
         self.applied: list[tuple[str, tuple[int, ...]]] = []
+        self.dropped: list[int] = []  # peers a connect skipped: gone before they arrived
 
     # ----------------------------------------------------------------------------- properties
 
@@ -436,10 +458,13 @@ class NixlMembership:
                 self._wait_reconnect_grace(step.ranks)
                 if self._before_connect is not None:
                     self._before_connect(buf)
-                buf.connect_ranks(list(step.ranks))
-                self._connected.update(step.ranks)
+                ranks = self._connect(buf, step.ranks)
+                self._connected.update(ranks)
             else:
-                buf.disconnect_ranks(list(step.ranks))
+                # Only what is connected: a peer dropped at its connect never was.
+                ranks = [r for r in step.ranks if r in self._connected]
+                if ranks:
+                    buf.disconnect_ranks(ranks)
                 now = self._clock()
                 for r in step.ranks:
                     self._disconnected_at[r] = now
@@ -453,12 +478,69 @@ class NixlMembership:
                 "[elastic-ep][nixl] rank %s: %s %s -> connected EP size %d",
                 self._rank,
                 step.kind,
-                step.ranks,
+                ranks,
                 self._connected_ep_size,
             )
         self._applied_seq = self._target_seq
         if self._on_applied is not None:
             self._on_applied(self)
+
+    def _connect(self, buf: Any, ranks: list[int]) -> list[int]:
+        """``connect_ranks`` with the peers that arrived; returns the ranks connected."""
+        store = getattr(buf, "tcp_store_group", None)
+        if self._members_alive is None or store is None or self._rank is None:
+            buf.connect_ranks(list(ranks))
+            return list(ranks)
+        mine = f"{ARRIVAL_KEY_PREFIX}/{self._rank}"
+        store.set(mine, b"1")
+        try:
+            gone = self._await_peers(store, [r for r in ranks if r != self._rank])
+            ranks = [r for r in ranks if r not in gone]
+            if gone:
+                self.dropped.extend(gone)
+                logger.warning(
+                    "[elastic-ep][nixl] rank %s: not connecting ranks %s: Mooncake's WORLD no "
+                    "longer counts them active and they never reached the connect (their "
+                    "process died); the failure path lets their slots go",
+                    self._rank,
+                    gone,
+                )
+            if any(r != self._rank for r in ranks) or not gone:
+                buf.connect_ranks(list(ranks))
+        finally:
+            try:
+                store.delete_key(mine)
+            except Exception as exc:  # noqa: BLE001 - the store may be going away
+                logger.debug("withdraw %s: %s", mine, exc)
+        return ranks
+
+    def _await_peers(self, store: Any, peers: list[int]) -> list[int]:
+        """Wait until each peer marked its arrival or Mooncake counts it inactive; returns the
+        inactive ones. A dead peer is dropped even if its mark is there (a process killed
+        inside its connect leaves one)."""
+        waiting = sorted(set(peers))
+        gone: list[int] = []
+        deadline = self._clock() + self.arrival_timeout_s
+        while waiting:
+            alive = self._members_alive(waiting)  # type: ignore[misc]
+            gone.extend(r for r, up in zip(waiting, alive, strict=True) if not up)
+            waiting = [
+                r for r, up in zip(waiting, alive, strict=True)
+                if up and not store.check([f"{ARRIVAL_KEY_PREFIX}/{r}"])
+            ]
+            if not waiting:
+                break
+            if self._clock() >= deadline:
+                logger.warning(
+                    "[elastic-ep][nixl] rank %s: ranks %s did not reach the connect within "
+                    "%.0f s; connecting anyway",
+                    self._rank,
+                    waiting,
+                    self.arrival_timeout_s,
+                )
+                break
+            self._sleep(ARRIVAL_POLL_S)
+        return gone
 
     def _wait_reconnect_grace(self, ranks: Iterable[int]) -> None:
         # A buffer that gives every process a fresh agent (the CPU buffer) needs no grace.

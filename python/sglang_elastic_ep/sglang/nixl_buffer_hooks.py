@@ -66,6 +66,15 @@ def _refresh_tcp_store(buffer: Any) -> None:
         buffer.set_tcp_store_group(store)
 
 
+def world_members_active(ranks: list[int]) -> list[bool]:
+    """Which of ``ranks`` Mooncake's WORLD view on this process counts as active."""
+    import torch.distributed as dist
+    from mooncake.pg import get_active_ranks
+
+    view = get_active_ranks(dist.group.WORLD).tolist()
+    return [0 <= r < len(view) and bool(view[r]) for r in ranks]
+
+
 def membership_of(state: Any) -> NixlMembership:
     """The membership stored on upstream's ``nixl_ep_state`` namespace (created on first use)."""
     m = getattr(state, "membership", None)
@@ -77,7 +86,8 @@ def membership_of(state: Any) -> NixlMembership:
             state.scale_to = mm.scale_to
             state.dispatch_ep_size = mm.connected_ep_size
 
-        m = NixlMembership(before_connect=_refresh_tcp_store, on_applied=mirror_sizes)
+        m = NixlMembership(before_connect=_refresh_tcp_store, on_applied=mirror_sizes,
+                           members_alive=world_members_active)
         state.membership = m
     return m
 
