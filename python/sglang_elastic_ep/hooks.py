@@ -184,6 +184,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{EEP}._try_recover_world", "sglang.world_view:admit_then_wait_for_view", "AROUND",
          "the members meet before the admission (a slow member's flag clear would wipe the "
          "first flag of the broadcast after it) and each waits for the new view after it"),
+    Hook(f"{EEP}._wait_for_peer_state", "sglang.world_view:wait_for_group_peers", "AROUND",
+         "upstream waits forever for a replacement to register in each launch-time group; "
+         "one killed as it is taken back never does, and the survivors would stop serving"),
     Hook(f"{EEP}.maybe_rebalance_after_rank_fault",
          "sglang.scale_progress:rebalance_after_rank_fault", "AROUND",
          "without --enable-eplb upstream dereferences a None EPLB manager on a rank fault"),

@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 
 from sglang_elastic_ep.sglang.world_view import (
+    ReplacementGone,
     WorldQuiesce,
     quiesce_key,
     store_barrier,
     wait_for_local_view,
+    wait_for_peers_in_world,
 )
 
 
@@ -128,3 +130,21 @@ def test_armed_members_are_used_by_one_change_only() -> None:
 def test_a_change_without_an_agreed_step_meets_nobody() -> None:
     # No members armed: upstream's own path, so no store is asked (none exists here).
     WorldQuiesce().before_view_change("admit", [2])
+
+
+def test_the_group_wait_ends_when_the_replacement_registers() -> None:
+    ready = iter([False, False, True])
+    polls: list[float] = []
+    wait_for_peers_in_world(lambda: next(ready), [1], lambda ranks: [True] * len(ranks),
+                            sleep=polls.append)
+    assert len(polls) == 2
+
+
+def test_the_group_wait_gives_up_on_a_replacement_world_counts_out() -> None:
+    views = iter([[True, True], [True, False]])
+    polls: list[float] = []
+    with pytest.raises(ReplacementGone, match=r"ranks \[3\] left Mooncake's WORLD"):
+        wait_for_peers_in_world(lambda: False, [1, 3], lambda ranks: next(views),
+                                sleep=polls.append)
+    assert len(polls) == 1  # one poll while both were still in WORLD, none after
+

@@ -48,6 +48,7 @@ from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
     state_manager,
 )
+from sglang_elastic_ep.sglang.world_view import ReplacementGone, world_members_active
 
 logger = get_logger(__name__)
 
@@ -64,15 +65,6 @@ def _refresh_tcp_store(buffer: Any) -> None:
     store = get_global_tcp_store()
     if store is not None:
         buffer.set_tcp_store_group(store)
-
-
-def world_members_active(ranks: list[int]) -> list[bool]:
-    """Which of ``ranks`` Mooncake's WORLD view on this process counts as active."""
-    import torch.distributed as dist
-    from mooncake.pg import get_active_ranks
-
-    view = get_active_ranks(dist.group.WORLD).tolist()
-    return [0 <= r < len(view) and bool(view[r]) for r in ranks]
 
 
 def membership_of(state: Any) -> NixlMembership:
@@ -359,8 +351,12 @@ def recover_ranks(ranks: list[int], mirror: ActiveRanksMirror, *, eplb_manager: 
     expert map, the active masks count them again. False when a replacement is not in WORLD
     yet (nothing changed)."""
     ee = elastic_ep_module()
-    if not ee.try_recover_ranks(ranks):
-        return False  # polled every pass until the replacement is in WORLD: nothing else read
+    try:
+        if not ee.try_recover_ranks(ranks):
+            return False  # polled every pass until the replacement is in WORLD: nothing else read
+    except ReplacementGone as exc:
+        logger.error("[elastic-ep] taking back ranks %s stopped: %s", ranks, exc)
+        return False
     state = elastic_state()
     kind = slot_history(state).join_kind(ranks) if state is not None else None
     # The replacement takes the failed rank's slots: the locations broadcast below put its

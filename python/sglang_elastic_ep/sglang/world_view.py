@@ -187,3 +187,44 @@ def admit_then_wait_for_view(original: Callable[[list[int]], bool], global_ranks
         logger.info("[elastic-ep] rank %d: Mooncake WORLD view epoch %d has admitted ranks %s "
                     "(waited %.2f s for it)", dist.get_rank(), epoch, global_ranks, waited)
     return True
+
+
+def world_members_active(ranks: Sequence[int]) -> list[bool]:
+    """Which of the global ``ranks`` this process's Mooncake WORLD view counts as active."""
+    from mooncake.pg import get_active_ranks
+
+    view = get_active_ranks(dist.group.WORLD).tolist()
+    return [0 <= r < len(view) and bool(view[r]) for r in ranks]
+
+
+class ReplacementGone(RuntimeError):
+    """A replacement being taken back died before it registered in one of its groups."""
+
+
+def wait_for_peers_in_world(peers_ready: Callable[[], bool], global_ranks: Sequence[int],
+                            in_world: Callable[[Sequence[int]], list[bool]],
+                            sleep: Callable[[float], None] = time.sleep,
+                            poll_s: float = _POLL_S) -> None:
+    """Wait until ``peers_ready()``; raise ``ReplacementGone`` once WORLD counts any of
+    ``global_ranks`` out instead (upstream's wait has no end for a peer that died first)."""
+    while not peers_ready():
+        gone = [r for r, up in zip(global_ranks, in_world(global_ranks), strict=True) if not up]
+        if gone:
+            raise ReplacementGone(f"ranks {gone} left Mooncake's WORLD before they registered "
+                                  "in every launch-time group")
+        sleep(poll_s)
+
+
+def wait_for_group_peers(original: Callable[[Any, list[int]], None], backend: Any,
+                         ranks: list[int]) -> None:
+    """AROUND ``elastic_ep._wait_for_peer_state`` (a launch-time group, while the survivors take
+    replacements back): the same wait, given up when a replacement dies meanwhile."""
+    if elastic_state() is None:
+        return original(backend, ranks)
+    from mooncake.pg import get_peer_state
+
+    global_ranks = [dist.get_global_rank(backend, r) for r in ranks]
+    wait_for_peers_in_world(lambda: all(get_peer_state(backend, ranks)), global_ranks,
+                            world_members_active)
+    return None
+
