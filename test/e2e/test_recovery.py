@@ -178,12 +178,7 @@ def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -
     assert read_status(cluster.url)["effective_ep_size"] == 3
 
 
-@pytest.mark.known_hang(
-    "a replacement killed as the survivor takes it back is taken back anyway (Mooncake's view "
-    "update admits it after its 20 s barrier timeout), and the survivor's next dispatch then "
-    "waits up to 300 s in the NIXL handshake with the dead process, with the rank shown active "
-    "(docs/cpu-testbed.md, 'A known hang: a joiner or replacement killed on its admission "
-    "pass'); about 9 minutes")
+@pytest.mark.long  # about 8 minutes on a cluster of its own: outside the suite
 @pytest.mark.timeout(1800)
 def test_a_replacement_killed_as_it_is_taken_back_is_failed_and_relaunched(
         tiny_model: Path) -> None:
