@@ -52,6 +52,15 @@ def test_a_view_that_never_comes_times_out() -> None:
     assert clock.now == 2.0
 
 
+def test_the_wait_ends_once_an_admitted_rank_is_gone() -> None:
+    clock = FakeClock()
+    offline = iter([False, False, True])
+    waited = wait_for_local_view(lambda: [1, 1, 0, 0], [2], poll_s=0.5, clock=clock,
+                                 sleep=clock.sleep, gone=lambda: next(offline))
+    assert waited is None
+    assert clock.now == 1.0  # two polls, not the 60 s timeout
+
+
 def test_a_rank_beyond_the_view_is_not_active() -> None:
     clock = FakeClock()
     assert wait_for_local_view(lambda: [1, 1], [2], timeout_s=0.0, clock=clock,

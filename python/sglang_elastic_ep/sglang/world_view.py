@@ -151,15 +151,17 @@ def wait_for_local_view(
     poll_s: float = _POLL_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    gone: Callable[[], bool] = lambda: False,
 ) -> float | None:
     """Poll ``active_ranks()`` until every rank in ``ranks`` is active: the seconds waited, or
-    None when the view did not show them within ``timeout_s``."""
+    None when the view did not show them within ``timeout_s``, or once ``gone()`` says one of
+    them can no longer become active (its process died: the view will not come)."""
     start = clock()
     while True:
         view = list(active_ranks())
         if all(0 <= r < len(view) and view[r] for r in ranks):
             return clock() - start
-        if clock() - start >= timeout_s:
+        if clock() - start >= timeout_s or gone():
             return None
         sleep(poll_s)
 
@@ -172,17 +174,21 @@ def admit_then_wait_for_view(original: Callable[[list[int]], bool], global_ranks
         world_quiesce(state).before_view_change("admit", global_ranks)
     if not original(global_ranks):
         return False
-    from mooncake.pg import get_active_ranks, get_current_epoch
+    from mooncake.pg import get_active_ranks, get_current_epoch, get_peer_state
 
     world = dist.group.WORLD
-    waited = wait_for_local_view(lambda: get_active_ranks(world).tolist(), global_ranks)
+    # Mooncake counts a member activatable while it is healthy, active or awaiting activation,
+    # and has an endpoint: false once its agent went offline (a joiner killed on this pass).
+    waited = wait_for_local_view(lambda: get_active_ranks(world).tolist(), global_ranks,
+                                 gone=lambda: not all(get_peer_state(world, global_ranks)))
     epoch = get_current_epoch(world)
     if waited is None:
         # Going on risks the hang this hook exists for; failing would strand the joiners. Say
         # which view this rank is on so the hang (if it comes) can be read from the log.
-        logger.error("[elastic-ep] rank %d: Mooncake WORLD view (epoch %d, active %s) still "
-                     "lacks admitted ranks %s after %.0f s", dist.get_rank(), epoch,
-                     get_active_ranks(world).tolist(), global_ranks, VIEW_APPLY_TIMEOUT_S)
+        logger.error("[elastic-ep] rank %d: Mooncake WORLD view (epoch %d, active %s, "
+                     "activatable %s) lacks admitted ranks %s", dist.get_rank(), epoch,
+                     get_active_ranks(world).tolist(), get_peer_state(world, global_ranks),
+                     global_ranks)
     else:  # one line per admission: which view each rank entered the next collective on
         logger.info("[elastic-ep] rank %d: Mooncake WORLD view epoch %d has admitted ranks %s "
                     "(waited %.2f s for it)", dist.get_rank(), epoch, global_ranks, waited)
