@@ -23,8 +23,8 @@ A peer that dies before it reaches its own ``connect_ranks`` (a joiner killed on
 admits it, a replacement killed as it is taken back) never publishes, and the survivors would
 wait out those 300 s inside the buffer, serving nothing. So before each connect every rank marks
 its arrival in the TCPStore and waits until each peer has marked its own, dropping a peer that
-Mooncake's WORLD no longer counts as active (:meth:`NixlMembership._await_peers`). A peer that
-arrived is at most a few instructions away from publishing its metadata.
+Mooncake's WORLD no longer counts as a live member (:meth:`NixlMembership._await_peers`). A
+peer that arrived is at most a few instructions away from publishing its metadata.
 
 Threading: SGLang runs the per-forward poll (which calls ``on_scale``) and the MoE dispatch on the
 same scheduler thread, so there is no locking.
@@ -212,8 +212,9 @@ class NixlMembership:
             the buffer's TCPStore there).
         on_applied: called after every applied change (e.g. to mirror sizes into upstream state).
         members_alive: which of the given ranks the cluster's membership (Mooncake's WORLD
-            view) still counts as active. With it, and a buffer whose ``tcp_store_group`` is set,
-            each connect first waits for its peers to arrive and drops the dead ones.
+            view) still counts as live members. With it, and a buffer whose
+            ``tcp_store_group`` is set, each connect first waits for its peers to arrive and
+            drops the dead ones.
         arrival_timeout_s: how long that wait lasts at most.
     """
 
@@ -500,8 +501,8 @@ class NixlMembership:
                 self.dropped.extend(gone)
                 logger.warning(
                     "[elastic-ep][nixl] rank %s: not connecting ranks %s: Mooncake's WORLD no "
-                    "longer counts them active and they never reached the connect (their "
-                    "process died); the failure path lets their slots go",
+                    "longer counts them as live members and they never reached the connect "
+                    "(their process died); the failure path lets their slots go",
                     self._rank,
                     gone,
                 )
@@ -515,8 +516,8 @@ class NixlMembership:
         return ranks
 
     def _await_peers(self, store: Any, peers: list[int]) -> list[int]:
-        """Wait until each peer marked its arrival or Mooncake counts it inactive; returns the
-        inactive ones. A dead peer is dropped even if its mark is there (a process killed
+        """Wait until each peer marked its arrival or Mooncake counts it out; returns the ones
+        counted out. A dead peer is dropped even if its mark is there (a process killed
         inside its connect leaves one)."""
         waiting = sorted(set(peers))
         gone: list[int] = []

@@ -48,7 +48,7 @@ from sglang_elastic_ep.sglang.upstream import (
     elastic_state,
     state_manager,
 )
-from sglang_elastic_ep.sglang.world_view import ReplacementGone, world_members_active
+from sglang_elastic_ep.sglang.world_view import ReplacementGone, world_members_alive
 
 logger = get_logger(__name__)
 
@@ -79,7 +79,7 @@ def membership_of(state: Any) -> NixlMembership:
             state.dispatch_ep_size = mm.connected_ep_size
 
         m = NixlMembership(before_connect=_refresh_tcp_store, on_applied=mirror_sizes,
-                           members_alive=world_members_active)
+                           members_alive=world_members_alive)
         state.membership = m
     return m
 

@@ -174,20 +174,18 @@ def admit_then_wait_for_view(original: Callable[[list[int]], bool], global_ranks
         world_quiesce(state).before_view_change("admit", global_ranks)
     if not original(global_ranks):
         return False
-    from mooncake.pg import get_active_ranks, get_current_epoch, get_peer_state
+    from mooncake.pg import get_active_ranks, get_current_epoch
 
     world = dist.group.WORLD
-    # Mooncake counts a member activatable while it is healthy, active or awaiting activation,
-    # and has an endpoint: false once its agent went offline (a joiner killed on this pass).
     waited = wait_for_local_view(lambda: get_active_ranks(world).tolist(), global_ranks,
-                                 gone=lambda: not all(get_peer_state(world, global_ranks)))
+                                 gone=lambda: not all(world_members_alive(global_ranks)))
     epoch = get_current_epoch(world)
     if waited is None:
         # Going on risks the hang this hook exists for; failing would strand the joiners. Say
         # which view this rank is on so the hang (if it comes) can be read from the log.
         logger.error("[elastic-ep] rank %d: Mooncake WORLD view (epoch %d, active %s, "
                      "activatable %s) lacks admitted ranks %s", dist.get_rank(), epoch,
-                     get_active_ranks(world).tolist(), get_peer_state(world, global_ranks),
+                     get_active_ranks(world).tolist(), world_members_alive(global_ranks),
                      global_ranks)
     else:  # one line per admission: which view each rank entered the next collective on
         logger.info("[elastic-ep] rank %d: Mooncake WORLD view epoch %d has admitted ranks %s "
@@ -195,12 +193,13 @@ def admit_then_wait_for_view(original: Callable[[list[int]], bool], global_ranks
     return True
 
 
-def world_members_active(ranks: Sequence[int]) -> list[bool]:
-    """Which of the global ``ranks`` this process's Mooncake WORLD view counts as active."""
-    from mooncake.pg import get_active_ranks
+def world_members_alive(ranks: Sequence[int]) -> list[bool]:
+    """Which of the global ``ranks`` this process's Mooncake WORLD view counts as live members:
+    healthy, active or awaiting activation, with an endpoint (Mooncake's "activatable"). False
+    once a member's agent went offline, at once or after the heartbeat timeout."""
+    from mooncake.pg import get_peer_state
 
-    view = get_active_ranks(dist.group.WORLD).tolist()
-    return [0 <= r < len(view) and bool(view[r]) for r in ranks]
+    return [bool(up) for up in get_peer_state(dist.group.WORLD, list(ranks))]
 
 
 class ReplacementGone(RuntimeError):
@@ -231,6 +230,6 @@ def wait_for_group_peers(original: Callable[[Any, list[int]], None], backend: An
 
     global_ranks = [dist.get_global_rank(backend, r) for r in ranks]
     wait_for_peers_in_world(lambda: all(get_peer_state(backend, ranks)), global_ranks,
-                            world_members_active)
+                            world_members_alive)
     return None
 
