@@ -59,6 +59,27 @@ def test_liveness_reports_act_only_on_a_change() -> None:
     assert plane.events.since(0).events[-1].type == "rank_recovered"
 
 
+def test_a_slot_counted_in_by_a_commit_and_reported_down_since_is_failed() -> None:
+    """The joiner died on its admission pass: every report reads the same before and after the
+    commit that counted its slot in; the slot is failed once the HTTP side has the new size."""
+    from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+    from sglang_elastic_ep.core.membership import Membership
+    from sglang_elastic_ep.core.validation import ScaleTopology
+
+    plane = InProcessControlPlane(
+        topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=2
+    )
+    tm = SimpleNamespace(attn_replica_size=1, rid_to_state={})
+    attach_adapter_state(tm, HttpAdapterState(plane=plane))
+    status = SimpleNamespace(status=[True, True, False, False])
+    tokenizer_hooks.mirror_active_ranks(None, tm, status)
+    assert plane.events.since(0).events == []
+    plane.set_membership(Membership(max_size=4, effective_size=3))  # the commit to 3
+    tokenizer_hooks.mirror_active_ranks(None, tm, status)
+    assert [e.type for e in plane.events.since(0).events][:1] == ["rank_failed"]
+    assert [r.state for r in plane.status().ranks][:3] == ["active", "active", "failed"]
+
+
 def test_a_leaving_shard_going_inactive_is_no_failure_and_drain_stragglers_end_with_503() -> None:
     """During a scale-down 3 -> 2 the released shard 2 reports inactive: no rank_failed, and
     nothing it ran counts as lost. Requests still running there at the drain timeout end with

@@ -24,7 +24,8 @@ class HttpAdapterState:
 
     plane: InProcessControlPlane | None = None  # set once built (the engine needs the state)
     router: LiveShardRouter = field(default_factory=LiveShardRouter)
-    last_status: tuple[bool, ...] | None = None  # the shard liveness last acted on
+    # the shard liveness last acted on, with the effective size it was read against
+    last_status: tuple[tuple[bool, ...], int] | None = None
 
     def control_plane(self) -> InProcessControlPlane:
         if self.plane is None:

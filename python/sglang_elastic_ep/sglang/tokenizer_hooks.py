@@ -56,11 +56,16 @@ def mirror_active_ranks(result: Any, tokenizer_manager: Any, ranks: Any) -> None
     saying so, instead of waiting forever."""
     state = adapter_state(tokenizer_manager)
     plane = None if state is None else state.plane
-    # Schedulers report after every batch; only a change means anything.
-    status = tuple(bool(up) for up in ranks.status)
-    if state is None or plane is None or status == state.last_status:
+    # Schedulers report after every batch; only a change means anything: of the report, or of
+    # the size it is read against (a commit can count in a slot whose rank died on the commit
+    # pass, which every report then shows down, the same as before the scale).
+    if state is None or plane is None:
         return
-    state.last_status = status
+    status = tuple(bool(up) for up in ranks.status)
+    seen = (status, plane.membership.effective_size)
+    if seen == state.last_status:
+        return
+    state.last_status = seen
     replica = int(getattr(tokenizer_manager, "attn_replica_size", 1) or 1)
     down_shards = {shard for shard, up in enumerate(status) if not up}
     down = [shard * replica + i for shard in sorted(down_shards) for i in range(replica)]
