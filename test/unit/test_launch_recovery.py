@@ -192,7 +192,8 @@ def test_the_survivor_machine_follows_the_failed_set_and_the_agreed_rejoin(
         monkeypatch: pytest.MonkeyPatch) -> None:
     state = SimpleNamespace()
     peer: dict[int, bool] = {1: True}
-    monkeypatch.setattr(launch_recovery, "world_peer_state", lambda ranks: [peer[r] for r in ranks])
+    monkeypatch.setattr(launch_recovery, "world_members_alive",
+                        lambda ranks: [peer[r] for r in ranks])
     # the pass right after the kill: Mooncake still reports the dead process
     assert launch_recovery.replacements_registered(state, (1,)) is False
     peer[1] = False

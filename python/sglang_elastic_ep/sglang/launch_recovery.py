@@ -53,6 +53,7 @@ from sglang_elastic_ep.sglang.upstream import (
     state_manager,
 )
 from sglang_elastic_ep.sglang.world_registration import adopt_launch_group_size
+from sglang_elastic_ep.sglang.world_view import world_members_alive
 
 logger = get_logger(__name__)
 
@@ -95,14 +96,7 @@ def launch_recovery_machine(state: Any, ranks: tuple[int, ...],
 def replacements_registered(state: Any, ranks: tuple[int, ...]) -> bool:
     """Every replacement of ``ranks`` is in Mooncake's WORLD (the local check upstream makes
     before ``recover_ranks``, read through this survivor's machine)."""
-    return launch_recovery_machine(state, ranks).replacements_ready(world_peer_state(ranks))
-
-
-def world_peer_state(ranks: tuple[int, ...]) -> list[bool]:
-    """Mooncake's peer state of ``ranks`` in WORLD (True: a process is registered there)."""
-    from mooncake.pg import get_peer_state
-
-    return [bool(up) for up in get_peer_state(dist.group.WORLD, list(ranks))]
+    return launch_recovery_machine(state, ranks).replacements_ready(world_members_alive(ranks))
 
 
 def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
