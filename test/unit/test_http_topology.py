@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_elastic_ep.core.api_models import OperationKind
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import tokenizer_hooks
 from sglang_elastic_ep.sglang.http_state import HttpAdapterState, attach_adapter_state
@@ -250,7 +251,8 @@ def test_a_drain_confirmation_awaits_only_the_live_schedulers() -> None:
     engine = UpstreamEngine(tm, adapter)
     adapter.router.start_drain({2})
     adapter.router.mark_down({2}, in_flight=set())
-    op = SimpleNamespace(new_ep_size=2, operation_id="shrink")
+    op = SimpleNamespace(kind=OperationKind.SCALE_DOWN, old_ep_size=3, new_ep_size=2,
+                         ranks=(2,), operation_id="shrink")
     asyncio.run(engine._confirm_drain(op))
     assert tm.fan_outs == [2, 3]
     adapter.router.forget([2])

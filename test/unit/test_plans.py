@@ -95,7 +95,9 @@ def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
     ([[0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0, 2, 3]], "[1] are failed or removed"),
     ([[0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0]], "[1] are failed or removed"),
     ([[0, 1], [0, 1, 3]], "next free slots"),
-    ([[0, 1, 2], [0, 2]], "removes the tail"),
+    ([[0, 1, 2], [0, 2]], None),  # a live launch-time rank removed where it is
+    ([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 3]], "only launch-time ranks are removed below"),
+    ([[0, 1, 2], [0, 2], [0]], "[1] are failed or removed"),
     ([[0, 1], [0]], "two ranks"),
 ])
 def test_bad_or_unsupported_plans_are_refused_with_the_reason(plan: object,
@@ -154,3 +156,14 @@ def test_a_relaunch_hook_sees_each_launch_time_replacement_before_the_wait_for_i
     runner._wait_state = lambda rank, state, timeout_s: done.append(("wait", rank, state))  # type: ignore
     runner._recover(steps[2])
     assert done == [("start", 1, True), ("hook", 1, "node1"), ("wait", 1, "active")]
+
+
+def test_a_live_launch_rank_removed_below_the_tail_leaves_a_hole_a_recover_refills(
+        tmp_path: Path) -> None:
+    steps = steps_of([[0, 1, 2], [0, 2], [0, 1, 2]])
+    assert [(s.kind, list(s.ranks), list(s.active), list(s.holes)) for s in steps] == [
+        ("launch", [0, 1, 2], [0, 1, 2], []),
+        ("remove", [1], [0, 2], [1]),
+        ("recover", [1], [0, 1, 2], []),
+    ]
+    assert plan_spec(tmp_path, steps).nodes == 3  # rank 1 leaves alone: a server of its own

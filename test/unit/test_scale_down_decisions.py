@@ -206,8 +206,10 @@ def test_a_rank_that_reads_the_request_after_the_call_off_refuses_it_once() -> N
     scale_down.call_off_scale_down(runner, state, called_off_round(2, AbortReason.TIMED_OUT))
     assert runner.calls == [] and state.scale_phase == "idle"  # nothing of its own to drop
     down = scale_down_state(state)
-    assert down.take_called_off(state, 1) is None  # another size: a request of its own
+    # another size: a request of its own
+    assert down.take_called_off(state, StepKind.SHRINK, 1) is None
     scale_down.call_off_scale_down(runner, state, called_off_round(2, AbortReason.TIMED_OUT))
-    message = down.take_called_off(state, 2)
+    message = down.take_called_off(state, StepKind.SHRINK, 2)
     assert message is not None and "called off" in message and "timed out" in message
-    assert down.take_called_off(state, 2) is None  # a later request for 2 is a new one
+    # a later request for 2 is a new one
+    assert down.take_called_off(state, StepKind.SHRINK, 2) is None

@@ -212,6 +212,7 @@ class InProcessControlPlane:
                 assert admission.operation is not None
                 self._apply_start_locked(admission.operation)
                 self._recovery_phase = None  # the new operation's phases take over
+            failed = self._membership.failed
         answer = ScaleAnswer(
             status=admission.status,
             response=admission.to_response(self._instance_id),
@@ -222,9 +223,10 @@ class InProcessControlPlane:
         self.refresh_metrics()
         op = admission.operation
         assert op is not None
-        if op.operation_id in self._holes_removed:
+        if op.operation_id in self._holes_removed and frozenset(op.ranks) <= failed:
             # Failed ranks removed below the tail: nothing runs on the schedulers, which
-            # already serve without them (and take a relaunch of them back in place).
+            # already serve without them (and take a relaunch of them back in place). Live
+            # ones drain and leave through the engine, as a scale-down does.
             done = self.finish_operation(op.operation_id)
             return ScaleAnswer(status=answer.status, started=True, response=answer.response
                                .model_copy(update={"phase": done.phase}))
@@ -276,7 +278,7 @@ class InProcessControlPlane:
                 resolved = resolve_removal(
                     request.remove_ranks, m.effective_size, failed=m.failed_in_range(),
                     launch_size=self._topology.launch_size, joined=self._joined_slots,
-                    attn_replica_size=self._topology.attn_replica_size)
+                    removed=m.removed, attn_replica_size=self._topology.attn_replica_size)
                 if isinstance(resolved, int):
                     request = request.as_size(resolved - len(m.removed))
                 elif resolved.ok:

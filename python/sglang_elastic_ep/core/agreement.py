@@ -53,6 +53,7 @@ class StepKind(enum.IntEnum):
     SHRINK = 2  # a scale-down: the tail leaves once drained
     LET_GO = 3  # the survivors let go of a failed tail of scale-joined ranks
     RECOVER = 4  # failed launch-time ranks rejoin in place (their replacements are in WORLD)
+    REMOVE = 5  # live launch-time ranks below the tail leave once drained; their slots: holes
 
 
 class AbortReason(enum.IntEnum):
@@ -69,7 +70,8 @@ class Proposal:
     """One rank's input to the verdict of one pass.
 
     Schedulers carry no operation id, so ``(kind, serving, target)`` names the operation: the
-    step, the membership it starts from and the size it goes to. Ranks enter only when they
+    step, the membership it starts from and the size it goes to (for ``REMOVE``, which keeps
+    the size, the set of ranks that leave: :func:`ranks_bitmask`). Ranks enter only when they
     agree on all three.
     """
 
@@ -87,6 +89,23 @@ class Proposal:
 
 
 PROPOSAL_COLUMNS = 6  # member (rank + 1; 0 = no row), kind, ready, target, serving, abort
+# The steps an operation starts, which a rank can call off before they are entered.
+_CALLED_OFF_STEPS = (StepKind.GROW, StepKind.SHRINK, StepKind.REMOVE)
+
+
+def ranks_bitmask(ranks: Sequence[int]) -> int:
+    """``ranks`` as one integer column (bit ``r`` set for rank ``r``): a ``REMOVE`` proposal's
+    target, so the ranks agree on which ranks leave, not only on how many."""
+    if not ranks or min(ranks) < 0 or len(set(ranks)) != len(ranks):
+        raise ValueError(f"a removal names distinct ranks >= 0, got {list(ranks)}")
+    return sum(1 << int(r) for r in ranks)
+
+
+def bitmask_ranks(mask: int) -> tuple[int, ...]:
+    """The ranks whose bits ``mask`` sets (the inverse of :func:`ranks_bitmask`)."""
+    if mask < 0:
+        raise ValueError(f"a rank bitmask is >= 0, got {mask}")
+    return tuple(r for r in range(mask.bit_length()) if mask >> r & 1)
 
 
 def _proposal_problem(p: Proposal) -> str | None:
@@ -96,7 +115,7 @@ def _proposal_problem(p: Proposal) -> str | None:
         return f"rank {p.rank}: ready {p.ready} is neither 0 nor its target {p.target}"
     if (p.kind is StepKind.NONE) != (p.target == 0):
         return f"rank {p.rank}: step {p.kind.name} with target {p.target}"
-    if p.abort is not AbortReason.NONE and p.kind not in (StepKind.GROW, StepKind.SHRINK):
+    if p.abort is not AbortReason.NONE and p.kind not in _CALLED_OFF_STEPS:
         return f"rank {p.rank}: abort of step {p.kind.name} (only a scale is called off)"
     return None
 

@@ -85,6 +85,14 @@ class LiveShardRouter:
             for shard in sorted(set(shards))
         }
 
+    def retire(self, shards: Iterable[int]) -> None:
+        """The drained shards were removed where they are (holes below the tail): they get
+        no request, and count as down until a report shows their relaunches up."""
+        gone = frozenset(shards)
+        self.down = self.down | gone
+        self.leaving = self.leaving - gone
+        self.leaving_down = self.leaving_down - gone
+
     def forget(self, shards: Iterable[int]) -> None:
         """The shards are gone for good (scaled away): drop their tracking and states."""
         gone = set(shards)

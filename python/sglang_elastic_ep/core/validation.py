@@ -4,12 +4,13 @@ Decisions:
 - Target equal to the current size is a no-op answered with 200 (absolute targets are
   idempotent: an orchestrator that retries after success must not see an error).
 - Ranks join and leave at the tail: scale-up adds [current, target), scale-down removes
-  [target, current). A rank-explicit removal (``remove_ranks``) must name that tail, except
-  for failed launch-time ranks: those may be removed anywhere. Nothing moves (they serve
-  nothing already); their slots become holes, which a relaunch with
-  ``--elastic-ep-join-mode recover`` refills (a scale-up adds the holes first). While a hole is
-  open, no other size change is accepted: the tail arithmetic of sizes would not say which
-  slots change.
+  [target, current). A rank-explicit removal (``remove_ranks``) may also name launch-time
+  ranks anywhere: their slots become holes, which a relaunch with
+  ``--elastic-ep-join-mode recover`` refills (a scale-up adds the holes first). Failed ones
+  serve nothing already, so nothing runs; live ones drain first and leave on an agreed pass
+  (no expert moves: the schedulers refuse a set whose experts have no replica elsewhere).
+  While a hole is open, no other size change is accepted: the tail arithmetic of sizes would
+  not say which slots change.
 - A size must be a whole number of attention replicas (upstream Scheduler rule:
   ``new_ep_size % (attn_tp_size * attn_cp_size) == 0``).
 - While a rank inside the current size has failed, scale-up is refused (409), and the only
@@ -71,8 +72,10 @@ class ScaleVerdict:
     joining_ranks: tuple[int, ...] = ()
     leaving_ranks: tuple[int, ...] = ()
     reason: RejectionReason | None = None
-    # A removal of failed ranks below the tail: they leave holes, and no rank or expert moves.
+    # A removal below the tail: the ranks leave holes, and no expert moves.
     leaves_holes: bool = False
+    # ... of live ranks: their shards drain, then the schedulers release them (it runs).
+    drains: bool = False
     # A scale-up into removed ranks' holes: their relaunches rejoin in place.
     refills_holes: bool = False
 
@@ -87,16 +90,17 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 def resolve_removal(ranks: Iterable[int], current_size: int, *,
                     failed: Iterable[int] = (), launch_size: int | None = None,
-                    joined: Iterable[int] = (),
+                    joined: Iterable[int] = (), removed: Iterable[int] = (),
                     attn_replica_size: int = 1) -> int | ScaleVerdict:
     """``remove_ranks`` as the size it leaves (the tail of ``current_size``), or as an
-    accepted removal of failed launch-time ranks below the tail (``leaves_holes``), or why it
-    cannot be done. Live ranks leave from the tail only: routing, expert placement and
-    upstream's DP attention count the serving ranks from 0. A failed launch-time rank serves
-    nothing already, so removing it moves nothing; a relaunch with
-    ``--elastic-ep-join-mode recover`` refills its slot later (any launch-time rank can
-    rejoin in place). Launch-time ranks are those below ``launch_size`` that no scale joiner
-    holds now (``joined``: a launch-time slot a shrink released and a scale-up refilled)."""
+    accepted removal of launch-time ranks below the tail (``leaves_holes``; ``drains`` when
+    they are live), or why it cannot be done. A removed launch-time rank leaves a hole that a
+    relaunch with ``--elastic-ep-join-mode recover`` refills later (any launch-time rank can
+    rejoin in place); a scale-joined rank has no such way back and leaves from the tail only.
+    Launch-time ranks are those below ``launch_size`` that no scale joiner holds now
+    (``joined``: a launch-time slot a shrink released and a scale-up refilled). Failed ranks
+    are removed together (nothing runs); live ones only while no rank has failed and no hole
+    is open (``removed``), so the drain and the agreed release start from one known set."""
     named = sorted(set(ranks))
     unknown = [r for r in named if r >= current_size]
     if unknown:
@@ -119,39 +123,66 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     down = frozenset(failed)
     launch = current_size if launch_size is None else launch_size
     joiners = frozenset(joined) | frozenset(range(launch, current_size))
-    if set(named) <= down and not set(named) & joiners:
-        split = sorted({r // attn_replica_size for r in named
-                        if any(p not in named for p in _replica(r, attn_replica_size))})
-        if split:
-            whole = sorted(p for g in split for p in _replica(g * attn_replica_size,
-                                                               attn_replica_size))
-            return _refuse(
-                HTTPStatus.BAD_REQUEST, RejectionReason.INCOMPLETE_ATTENTION_REPLICA,
-                f"removing {_ranks(named)} would split an attention replica of "
-                f"{attn_replica_size} ranks; name whole replicas, e.g. "
-                f'{{"remove_ranks": {_ranks(set(named) | set(whole))}}}',
-            )
+    scale_joined = [r for r in named if r in joiners]
+    if scale_joined:
+        rest = sorted(set(range(current_size)) - set(named))
+        return _refuse(
+            HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
+            f"removing {_ranks(named)} would leave the active ranks {_ranks(rest)} with a "
+            f"hole, and ranks {_ranks(scale_joined)} joined by scale-up, which leave from the "
+            f"tail only; remove the {len(named)} highest ranks instead "
+            f'({{"remove_ranks": {_ranks(tail)}}}, the same as new_ep_size '
+            f"{current_size - len(named)})"
+            + (", or relaunch a failed rank with --elastic-ep-join-mode recover"
+               if down else ""),
+        )
+    live = [r for r in named if r not in down]
+    if live and down:
+        accepted = resolve_removal(down, current_size, failed=down, launch_size=launch,
+                                   joined=joined, attn_replica_size=attn_replica_size)
+        failed_hint = (f' or remove them ({{"remove_ranks": {_ranks(down)}}})'
+                       if isinstance(accepted, int) or accepted.ok else "")
+        return _refuse(
+            HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
+            f"ranks {_ranks(down)} have failed, and live ranks {_ranks(live)} are removed only "
+            f"while every rank serves: relaunch the failed ones with --elastic-ep-join-mode "
+            f"recover{failed_hint}, then retry",
+        )
+    holes_open = sorted(removed)
+    if live and holes_open:
+        return _refuse(
+            HTTPStatus.CONFLICT, RejectionReason.REMOVED_RANKS_PRESENT,
+            f"removed ranks {_ranks(holes_open)} leave holes, and live ranks are removed only "
+            f"while none is open; refill them first (new_ep_size {current_size}, then relaunch "
+            f"ranks "
+            f"{_ranks(holes_open)} with --elastic-ep-join-mode recover: they rejoin in place), "
+            "then retry",
+        )
+    split = sorted({r // attn_replica_size for r in named
+                    if any(p not in named for p in _replica(r, attn_replica_size))})
+    if split:
+        whole = sorted(p for g in split for p in _replica(g * attn_replica_size,
+                                                           attn_replica_size))
+        return _refuse(
+            HTTPStatus.BAD_REQUEST, RejectionReason.INCOMPLETE_ATTENTION_REPLICA,
+            f"removing {_ranks(named)} would split an attention replica of "
+            f"{attn_replica_size} ranks; name whole replicas, e.g. "
+            f'{{"remove_ranks": {_ranks(set(named) | set(whole))}}}',
+        )
+    if live:
         return ScaleVerdict(
             ok=True, status=int(HTTPStatus.OK), direction=ScaleDirection.DOWN,
-            leaving_ranks=tuple(named), leaves_holes=True,
-            message=(f"Removed failed ranks {_ranks(named)}: serving on "
-                     f"{current_size - len(named)} ranks; relaunch them with "
-                     "--elastic-ep-join-mode recover to refill their slots"),
+            leaving_ranks=tuple(named), leaves_holes=True, drains=True,
+            message=(f"Removing ranks {_ranks(named)} where they are: their shards drain, then "
+                     f"they leave and the cluster serves on {current_size - len(named)} ranks; "
+                     "relaunch them with --elastic-ep-join-mode recover to refill their slots"),
         )
-    holes = sorted(set(range(current_size)) - set(named))
-    live = [r for r in named if r not in down]
-    scale_joined = [r for r in named if r in down and r in joiners]
-    why = (f"ranks {_ranks(live)} are live, and live ranks leave from the tail only"
-           if live else
-           f"ranks {_ranks(scale_joined)} joined by scale-up, and only failed launch-time ranks "
-           "can be removed below the tail")
-    return _refuse(
-        HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
-        f"removing {_ranks(named)} would leave the active ranks {_ranks(holes)} with a "
-        f"hole, and {why}; remove the {len(named)} highest ranks instead "
-        f'({{"remove_ranks": {_ranks(tail)}}}, the same as new_ep_size '
-        f"{current_size - len(named)}), or relaunch a failed rank with "
-        "--elastic-ep-join-mode recover",
+    return ScaleVerdict(
+        ok=True, status=int(HTTPStatus.OK), direction=ScaleDirection.DOWN,
+        leaving_ranks=tuple(named), leaves_holes=True,
+        message=(f"Removed failed ranks {_ranks(named)}: serving on "
+                 f"{current_size - len(named)} ranks; relaunch them with "
+                 "--elastic-ep-join-mode recover to refill their slots"),
     )
 
 

@@ -146,16 +146,23 @@ def readiness_skew(runner: Any) -> ReadinessSkew:
 
 
 def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
-    """This rank's proposal for the pass, from host state only: a scale up or down, letting go
-    of a failed tail of scale-joined ranks (``tail_recovery``), or taking back failed
-    launch-time ranks in place (``launch_recovery``). ``batch_idle``: this rank's
+    """This rank's proposal for the pass, from host state only: a scale up or down, a removal
+    of live ranks below the tail (``rank_removal``), letting go of a failed tail of
+    scale-joined ranks (``tail_recovery``), or taking back failed launch-time ranks in place
+    (``launch_recovery``). ``batch_idle``: this rank's
     batch for the pass holds no request (a leaving rank is ready only then)."""
     tail_recovery.request_return_when_replacement_registered(state)
     rank = runner._elastic_global_rank()
+    down = scale_down_state(state)
+    removal = down.removing
     target = state.pending_ep_size or 0
-    rejoin = () if target else launch_recovery.ranks_to_rejoin(state)
-    let_go = 0 if target or rejoin else tail_recovery.contraction_target(state, runner)
-    if rejoin:  # ready once every replacement is in WORLD; the size stays
+    rejoin = () if target or removal else launch_recovery.ranks_to_rejoin(state)
+    let_go = 0 if target or rejoin or removal else \
+        tail_recovery.contraction_target(state, runner)
+    if removal is not None:  # live ranks below the tail: leaving ones wait until they hold none
+        kind, target = StepKind.REMOVE, removal.agreed_target
+        ready = down.ready_to_shrink(state, rank, batch_idle=batch_idle)
+    elif rejoin:  # ready once every replacement is in WORLD; the size stays
         kind = StepKind.RECOVER
         target = int(state.effective_ep_size)
         ready = target if launch_recovery.replacements_registered(state, rejoin) else 0
@@ -163,7 +170,7 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
         kind, target, ready = StepKind.LET_GO, let_go, let_go
     elif target and is_shrink(state):  # a scale-down: leaving ranks wait until they hold none
         kind = StepKind.SHRINK
-        ready = scale_down_state(state).ready_to_shrink(state, rank, batch_idle=batch_idle)
+        ready = down.ready_to_shrink(state, rank, batch_idle=batch_idle)
     elif target:
         kind, ready = StepKind.GROW, _ready_target(state, target)
     else:
@@ -172,8 +179,8 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
     # Only a pending scale is called off: no config lookup or mask read on other passes.
     if kind is StepKind.GROW:
         abort = abort_reason(state)
-    elif kind is StepKind.SHRINK:
-        abort = scale_down_state(state).abort_reason(state, time.monotonic())
+    elif kind in (StepKind.SHRINK, StepKind.REMOVE):
+        abort = down.abort_reason(state, time.monotonic())
     else:
         abort = AbortReason.NONE
     return Proposal(rank=rank, kind=kind, ready=0 if abort else ready, target=target,

@@ -27,12 +27,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_elastic_ep.core.agreement import AbortReason, GatheredRound
+from sglang_elastic_ep.core.agreement import (
+    AbortReason,
+    GatheredRound,
+    StepKind,
+    bitmask_ranks,
+    ranks_bitmask,
+)
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
 from sglang_elastic_ep.sglang.operation_log import get_logger, note_scale_request
+from sglang_elastic_ep.sglang.rank_removal import release_removed_ranks, removal_refusal
+from sglang_elastic_ep.sglang.removal_request import removed_ranks
 from sglang_elastic_ep.sglang.scale_up import CANCEL_EP_SIZE, request_cancel, scale_up_state
 from sglang_elastic_ep.sglang.tail_release import release_tail
 from sglang_elastic_ep.sglang.upstream import (
@@ -53,9 +61,9 @@ class ScaleDownState:
 
     scheduler: Any = None  # this process's scheduler, for the drain check in the agreement step
     machine: ScaleDownMachine | None = None
-    # A scale-down the agreement called off before this rank read its request: the target and
-    # why, to answer that request with when it arrives.
-    called_off: tuple[int, str] | None = None
+    # A scale-down the agreement called off before this rank read its request: its
+    # step and ``agreed_target``, and why, to answer that request with when it arrives.
+    called_off: tuple[StepKind, int, str] | None = None
 
     def ready_to_shrink(self, state: Any, rank: int, *, batch_idle: bool = True) -> int:
         """The shrink target when this rank can enter the release now, else 0: staying ranks at
@@ -63,7 +71,10 @@ class ScaleDownState:
         the way), its scheduler holds no request, and the batch it runs this pass holds none
         (``batch_idle``: asked before the pass's batch is the scheduler's running batch)."""
         machine = self.machine
-        if machine is None or not is_shrink(state) or machine.new_size != state.pending_ep_size:
+        if machine is None:
+            return 0
+        if not machine.removed and (not is_shrink(state)
+                                    or machine.new_size != state.pending_ep_size):
             return 0
         idle = batch_idle and self.scheduler is not None and holds_no_request(self.scheduler)
         return machine.readiness(holds_no_request=idle)
@@ -75,7 +86,7 @@ class ScaleDownState:
         if machine is None or not machine.draining:
             return AbortReason.NONE
         mask = tail_recovery.live_mask(state)
-        failed = frozenset(r for r in range(min(machine.new_size, len(mask))) if not mask[r])
+        failed = frozenset(r for r in range(min(machine.old_size, len(mask))) if not mask[r])
         return machine.abort_reason(now, failed_ranks=failed)
 
     def is_late_drain_confirmation(self, state: Any, new_ep_size: int) -> bool:
@@ -86,14 +97,22 @@ class ScaleDownState:
         return (self.machine is not None and self.machine.answers_late_confirmation(new_ep_size)
                 and state.pending_ep_size is None and state.effective_ep_size == new_ep_size)
 
-    def take_called_off(self, state: Any, new_ep_size: int) -> str | None:
-        """Why the request to shrink to ``new_ep_size`` that just arrived was already called
-        off by the other ranks (on a pass before this rank read it); None for any other
-        request. Answered once: a later request for the same size is a new one."""
+    @property
+    def removing(self) -> ScaleDownMachine | None:
+        """The machine of a removal below the tail while it drains, else None."""
+        machine = self.machine
+        return machine if machine is not None and machine.removed and machine.draining \
+            else None
+
+    def take_called_off(self, state: Any, kind: StepKind, agreed_target: int) -> str | None:
+        """Why the request that just arrived (to shrink to a size, or to remove ranks: its
+        ``agreed_target``) was already called off by the other ranks (on a pass before this
+        rank read it); None for any other request. Answered once: a later request for the
+        same change is a new one."""
         called_off, self.called_off = self.called_off, None
-        if called_off is not None and called_off[0] == new_ep_size \
+        if called_off is not None and called_off[:2] == (kind, agreed_target) \
                 and state.pending_ep_size is None:
-            return called_off[1]
+            return called_off[2]
         return None
 
     def enter_phase(self, state: Any, phase: Phase) -> None:
@@ -165,6 +184,10 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
 
     new = int(recv_req.new_ep_size)
+    removed = removed_ranks(new)
+    if removed:
+        scale_up_state(state).last_cancelled = None
+        return _handle_removal(scheduler, state, removed)
     if new == CANCEL_EP_SIZE:
         accepted, message = request_cancel(state)
         return ScaleElasticEPReqOutput(
@@ -189,7 +212,7 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
         return original(scheduler, recv_req)
 
     old = state.effective_ep_size
-    called_off = down.take_called_off(state, new)
+    called_off = down.take_called_off(state, StepKind.SHRINK, new)
     if called_off is not None:
         return ScaleElasticEPReqOutput(success=False, message=called_off, old_ep_size=old,
                                        new_ep_size=new, scale_phase=state.scale_phase)
@@ -227,6 +250,53 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     )
 
 
+def _handle_removal(scheduler: Any, state: Any, ranks: tuple[int, ...]) -> Any:
+    """A request to remove live ``ranks`` below the tail (``rank_removal``): the first one
+    starts the drain, the same again confirms it (as for a scale-down)."""
+    from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
+
+    down = scale_down_state(state)
+    down.scheduler = scheduler
+    size = int(state.effective_ep_size)
+    machine = down.machine
+    logger.info("[elastic-ep] request to remove ranks %s (EP size %d, phase %s)", list(ranks),
+                size, state.scale_phase)
+
+    def answer(success: bool, message: str, phase: Phase | None = None) -> Any:
+        out = ScaleElasticEPReqOutput(
+            success=success, message=message, old_ep_size=size, new_ep_size=size,
+            pending_ep_size=size if phase is Phase.DRAINING else None,
+            scale_phase=state.scale_phase)
+        if phase is not None:
+            out.scale_phase = phase.value
+        return out
+
+    if machine is not None and machine.is_for(size, ranks):
+        if machine.draining:
+            machine.confirm_drain()
+            return answer(True, f"drain of ranks {list(ranks)} confirmed", Phase.DRAINING)
+        if machine.answers_late_confirmation(size, ranks):
+            return answer(True, f"ranks {list(ranks)} already removed")
+    called_off = down.take_called_off(state, StepKind.REMOVE, ranks_bitmask(ranks))
+    if called_off is not None:
+        return answer(False, called_off)
+    error = removal_refusal(state, ranks)
+    if error is not None:
+        return answer(False, error)
+    now = time.monotonic()
+    down.machine = ScaleDownMachine(
+        rank=scheduler.tp_worker.model_runner._elastic_global_rank(), old_size=size,
+        new_size=size, removed=ranks, started_at=now, timeout_s=scale_timeout_s(),
+    )
+    state.scale_phase = down.machine.phase.value
+    state.last_error = None
+    eplb = scheduler.tp_worker.model_runner.eplb_manager
+    if eplb is not None:
+        eplb.disable_rebalance("a removal of elastic EP ranks is pending")
+    logger.info("[elastic-ep] removal of ranks %s requested; they drain first", list(ranks))
+    return answer(True, f"Removing ranks {list(ranks)}: draining them", Phase.DRAINING)
+
+
 def holds_no_request(scheduler: Any) -> bool:
     running = getattr(scheduler, "running_batch", None)
     return (
@@ -245,6 +315,15 @@ def finalize_scale_down(runner: Any, target: int) -> None:
     release_tail(runner, target, enter_phase=lambda phase: down.enter_phase(state, phase))
 
 
+def finalize_removal(runner: Any, target: int) -> None:
+    """Every active rank, on the same agreed pass: remove the ranks of the bitmask ``target``
+    where they are (:func:`~sglang_elastic_ep.sglang.rank_removal.release_removed_ranks`)."""
+    state = state_manager().instance()
+    down = scale_down_state(state)
+    release_removed_ranks(runner, bitmask_ranks(target),
+                          enter_phase=lambda phase: down.enter_phase(state, phase))
+
+
 def call_off_scale_down(runner: Any, state: Any, verdict: GatheredRound) -> None:
     """The pass's verdict called the pending scale-down off (a rank's drain timed out, or a
     staying rank failed): every rank drops it on this pass and serves on at the old size; the
@@ -252,12 +331,16 @@ def call_off_scale_down(runner: Any, state: Any, verdict: GatheredRound) -> None
     not read the request yet remembers the verdict and refuses the request when it arrives."""
     down = scale_down_state(state)
     machine = down.machine
-    if machine is None or not machine.draining or not is_shrink(state):
-        target = max((p.target for p in verdict.proposals if p.abort), default=0)
-        if target:
+    if machine is None or not machine.draining or not (machine.removed or is_shrink(state)):
+        aborting = max((p for p in verdict.proposals if p.abort), default=None,
+                       key=lambda p: p.target)
+        if aborting is not None:
             why = verdict.abort.name.lower().replace("_", " ")
-            down.called_off = (target, f"scale-down to {target} called off on the other ranks "
-                                       f"({why}) before this rank read it")
+            what = (f"removal of ranks {list(bitmask_ranks(aborting.target))}"
+                    if aborting.kind is StepKind.REMOVE else f"scale-down to {aborting.target}")
+            down.called_off = (aborting.kind, aborting.target,
+                               f"{what} called off on the other ranks ({why}) before this rank "
+                               "read it")
         return
     message = machine.call_off(verdict.abort, "", time.monotonic())
     # Not upstream's fail_scale: its reset() would mark a failed staying rank active again.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind
+from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind, bitmask_ranks
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang import launch_recovery, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import (
@@ -37,7 +37,11 @@ from sglang_elastic_ep.sglang.pass_progress import (
     pass_progress,
     start_pass_progress,
 )
-from sglang_elastic_ep.sglang.scale_down import call_off_scale_down, finalize_scale_down
+from sglang_elastic_ep.sglang.scale_down import (
+    call_off_scale_down,
+    finalize_removal,
+    finalize_scale_down,
+)
 from sglang_elastic_ep.sglang.scale_up import abort_pending_scale, scale_up_machine, settle
 from sglang_elastic_ep.sglang.upstream import elastic_state, lockstep_agreement_on
 from sglang_elastic_ep.sglang.world_view import world_quiesce
@@ -50,6 +54,7 @@ MEMBERSHIP_STEPS = {
     StepKind.SHRINK: "scale-down to {target}",
     StepKind.LET_GO: "let go of failed ranks (serving on {target})",
     StepKind.RECOVER: "take back failed launch-time ranks (serving on {target})",
+    StepKind.REMOVE: "remove ranks {target} where they are",
 }
 
 
@@ -147,7 +152,8 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         # the wait for a launch-time rank's replacement.
         return None
     if agreed.verdict is LockstepVerdict.ABORT:
-        if any(p.kind is StepKind.SHRINK for p in agreed.outcome.proposals if p.abort):
+        if any(p.kind in (StepKind.SHRINK, StepKind.REMOVE)
+               for p in agreed.outcome.proposals if p.abort):
             return call_off_scale_down(runner, state, agreed.outcome)
         return abort_pending_scale(runner, state, agreed.outcome.abort,
                                    agreed.outcome.problem or "called off")
@@ -158,7 +164,9 @@ def agreed_join_step(original: Any, runner: Any) -> None:
         members = ([p.rank for p in agreed.outcome.proposals] if source == "gather"
                    else mirror_of(state).active_ranks(proposal.serving))
         world_quiesce(state).arm(members)
-        enter_step(state, MEMBERSHIP_STEPS[proposal.kind].format(target=proposal.target))
+        named = (list(bitmask_ranks(proposal.target)) if proposal.kind is StepKind.REMOVE
+                 else proposal.target)
+        enter_step(state, MEMBERSHIP_STEPS[proposal.kind].format(target=named))
         if proposal.kind is StepKind.LET_GO:
             return tail_recovery.let_go_of_failed_tail(runner, proposal.target)
         if proposal.kind is StepKind.RECOVER:
@@ -166,6 +174,8 @@ def agreed_join_step(original: Any, runner: Any) -> None:
                                                    launch_recovery.ranks_to_rejoin(state))
         if proposal.kind is StepKind.SHRINK:
             return finalize_scale_down(runner, proposal.target)
+        if proposal.kind is StepKind.REMOVE:
+            return finalize_removal(runner, proposal.target)
         if proposal.kind is StepKind.GROW:
             return _grow(original, runner, state, proposal, source)
     original(runner)

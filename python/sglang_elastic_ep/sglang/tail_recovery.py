@@ -27,6 +27,7 @@ wait for the tail with the survivors (``await_the_tail_with_the_survivors``).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,24 +127,32 @@ def failed_tail_to_let_go(state: Any) -> bool:
     return tail is not None and tail.problem is None
 
 
-def _uncovered_without(first: int, effective: int, mask: list[int]) -> str | None:
-    """Why the live ranks below ``first`` cannot serve every expert once the tail is let go
-    (None: they can). A launch-time rank that failed with the tail does not count."""
+def uncovered_on_ranks(ranks: Sequence[int], effective: int) -> tuple[int, list[int]] | None:
+    """The first layer with logical experts that no slot of ``ranks`` holds, and those
+    experts; None when ``ranks`` hold every expert (or there is no expert map)."""
     metadata = expert_location_metadata()
     if metadata is None:
         return None
     p2l = metadata.physical_to_logical_map.tolist()
     per_rank = len(p2l[0]) // effective
-    kept = [p for r in range(first) if mask[r] for p in range(r * per_rank, (r + 1) * per_rank)]
+    kept = [p for r in ranks for p in range(r * per_rank, (r + 1) * per_rank)]
     # uncovered_experts reads a row's first slots as the staying ones, the whole row as the
-    # layer's experts: the live slots, then the row
+    # layer's experts: the kept slots, then the row
     missing = uncovered_experts([[row[p] for p in kept] + row for row in p2l], slots=len(kept))
-    if not missing:
+    return next(iter(missing.items())) if missing else None
+
+
+def _uncovered_without(first: int, effective: int, mask: list[int]) -> str | None:
+    """Why the live ranks below ``first`` cannot serve every expert once the tail is let go
+    (None: they can). A launch-time rank that failed with the tail does not count."""
+    live = [r for r in range(first) if mask[r]]
+    uncovered = uncovered_on_ranks(live, effective)
+    if uncovered is None:
         return None
-    layer, experts = next(iter(missing.items()))
+    layer, experts = uncovered
     failed = [r for r in range(effective) if not mask[r]]
     return (f"ranks {failed} failed and logical experts {experts} (layer {layer}) "
-            f"have no replica on the live ranks {[r for r in range(first) if mask[r]]}: the "
+            f"have no replica on the live ranks {live}: the "
             "survivors cannot serve without them. Relaunching with --ep-num-redundant-experts "
             "avoids this; restart the deployment")
 

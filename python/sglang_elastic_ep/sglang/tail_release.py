@@ -118,7 +118,8 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
 
     if not staying:
         logger.info("[elastic-ep] rank %d left (scale-down %d -> %d)", rank, old, target)
-        _leave(target)
+        first = server_ranks().start
+        leave(whole_server=first >= target and first > 0)
         return
 
     from sglang.srt.elastic_ep.elastic_ep import update_dp_attention_for_elastic_ep
@@ -167,24 +168,30 @@ def first_rank_of_server(*, is_joiner: bool, join_offset: int, node_rank: int,
     return join_offset if is_joiner else node_rank * ranks_per_node
 
 
-def _leave(target: int) -> None:
-    """A released rank takes part in no collective again. When every rank of its server
-    leaves (a scale-up joiner, a node above 0), the server is stopped with SIGTERM and exits 0.
-    Otherwise (node 0's tree, or a server that keeps some ranks) only this scheduler process
-    exits 0: SGLang's subprocess watchdog lets a child that exited 0 go, and the exit frees the
-    rank's device and its seat in Mooncake (which refuses a joiner for a slot while the old
-    process still answers), so a scale-up can refill the slot."""
+def server_ranks() -> range:
+    """The EP ranks this process's ``launch_server`` tree serves (node 0's from rank 0)."""
     from sglang.srt.runtime_context import get_exec, get_parallel
 
     parallel = get_parallel()
     nnodes = max(1, int(getattr(parallel, "nnodes", 1) or 1))
+    per_server = int(parallel.tp_size) // nnodes
     first = first_rank_of_server(
         is_joiner=bool(get_exec().moe.is_ep_joiner),
         join_offset=int(parallel.ep_join_rank_offset or 0),
         node_rank=int(parallel.node_rank or 0),
-        ranks_per_node=int(parallel.tp_size) // nnodes,
+        ranks_per_node=per_server,
     )
-    if first >= target and first > 0:
+    return range(first, first + per_server)
+
+
+def leave(*, whole_server: bool) -> None:
+    """A released rank takes part in no collective again. When every rank of its server
+    leaves (``whole_server``: a scale-up joiner, a node above 0), the server is stopped with
+    SIGTERM and exits 0. Otherwise (node 0's tree, or a server that keeps some ranks) only this
+    scheduler process exits 0: SGLang's subprocess watchdog lets a child that exited 0 go, and
+    the exit frees the rank's device and its seat in Mooncake (which refuses a joiner for a
+    slot while the old process still answers), so a scale-up can refill the slot."""
+    if whole_server:
         parent = os.getppid()
         logger.info("[elastic-ep] every rank of this server leaves: stopping it (pid %d)", parent)
         threading.Timer(0.5, os.kill, (parent, signal.SIGTERM)).start()

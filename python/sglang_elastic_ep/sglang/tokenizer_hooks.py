@@ -34,10 +34,19 @@ def abort_with_503(tokenizer_manager: Any, rids: list[str], message: str) -> Non
 
 def apply_scale_update(original: Any, tokenizer_manager: Any, msg: Any) -> Any:
     """AROUND ``TokenizerManager.forward_elastic_scale_update``: rank 0 reports a committed
-    scale-down with the smaller size. Upstream only grows (it would hand the DP controller a
-    negative slot count), so shrink the worker count and control fan-out here."""
+    scale-down with the smaller size, and a committed removal below the tail with the same
+    size. Upstream only grows (it would hand the DP controller a negative slot count), so
+    shrink the worker count and control fan-out here."""
     tm = tokenizer_manager
     replica = int(getattr(tm, "attn_replica_size", 1) or 1)
+    if msg.success and not msg.slot_count \
+            and msg.effective_ep_size == tm.elastic_worker_count * replica:
+        # Ranks removed below the tail (the size stays, no slot is added): upstream would
+        # hand the DP controller an empty scale-up; the holes are the control plane's.
+        tm.elastic_pending_ep_size = None
+        tm.elastic_scale_phase = Phase.SERVING_CONTRACTED.value
+        tm.elastic_last_error = None
+        return None
     if not msg.success or msg.effective_ep_size >= tm.elastic_worker_count * replica:
         return original(tm, msg)
     tm.elastic_worker_count = msg.effective_ep_size // replica

@@ -18,6 +18,7 @@ from sglang_elastic_ep.core.operations import Operation
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.routing import LiveShardRouter
 from sglang_elastic_ep.sglang.http_state import HttpAdapterState
+from sglang_elastic_ep.sglang.removal_request import removal_size
 from sglang_elastic_ep.sglang.scale_up import CANCEL_EP_SIZE
 from sglang_elastic_ep.sglang.tokenizer_hooks import abort_with_503
 
@@ -41,7 +42,9 @@ class UpstreamEngine:
     A scale-up is upstream's. A scale-down first stops routing to the leaving shards (here, in
     the tokenizer's router), then hands the request to the schedulers, which commit it once
     the leaving shards hold no request (sglang/scale_down.py); requests still running there
-    after ``--elastic-ep-drain-timeout`` are ended with 503 and a message. A scale-down that
+    after ``--elastic-ep-drain-timeout`` are ended with 503 and a message. A removal of live
+    ranks below the tail drains the same way (sglang/rank_removal.py); its shards then stay
+    out of routing as holes until their relaunches serve. A scale-down that
     removes failed ranks (the only one validation admits while they are failed) asks only the
     live schedulers and drains nothing (sglang/tail_recovery.py)."""
 
@@ -58,7 +61,21 @@ class UpstreamEngine:
 
     def _leaving_shards(self, op: Operation) -> frozenset[int]:
         replica = int(getattr(self._tm, "attn_replica_size", 1) or 1)
-        return frozenset(r // replica for r in range(op.new_ep_size, op.old_ep_size))
+        return frozenset(r // replica for r in op.ranks)
+
+    @staticmethod
+    def _removes_below_the_tail(op: Operation) -> bool:
+        """A scale-down whose ranks are not the tail: live launch-time ranks removed where
+        they are (validation admits no other such scale-down through the engine)."""
+        return (op.kind is OperationKind.SCALE_DOWN
+                and tuple(sorted(op.ranks)) != tuple(range(op.new_ep_size, op.old_ep_size)))
+
+    @staticmethod
+    def _request_size(op: Operation) -> int:
+        """The ``new_ep_size`` the schedulers are sent for ``op``."""
+        if UpstreamEngine._removes_below_the_tail(op):
+            return removal_size(op.ranks)
+        return op.new_ep_size
 
     async def __call__(self, op: Operation) -> None:
         if op.kind not in (OperationKind.SCALE_UP, OperationKind.SCALE_DOWN):
@@ -84,7 +101,8 @@ class UpstreamEngine:
         try:
             result = await asyncio.wait_for(
                 self._tm.scale_elastic_ep(
-                    ScaleElasticEPReqInput(new_ep_size=op.new_ep_size, rid=op.operation_id)
+                    ScaleElasticEPReqInput(new_ep_size=self._request_size(op),
+                                           rid=op.operation_id)
                 ),
                 SCHEDULER_ANSWER_TIMEOUT_S,
             )
@@ -152,7 +170,8 @@ class UpstreamEngine:
         try:
             answers = await asyncio.wait_for(
                 self._tm.scale_elastic_ep_communicator(
-                    ScaleElasticEPReqInput(new_ep_size=op.new_ep_size, rid=op.operation_id)
+                    ScaleElasticEPReqInput(new_ep_size=self._request_size(op),
+                                           rid=op.operation_id)
                 ),
                 SCHEDULER_ANSWER_TIMEOUT_S,
             )
@@ -201,7 +220,10 @@ class UpstreamEngine:
                     plane.finish_operation(operation_id)
                     return
                 if phase is Phase.SERVING_CONTRACTED:
-                    self._router.forget(leaving)
+                    if self._removes_below_the_tail(op):
+                        self._router.retire(leaving)  # holes: no request until refilled
+                    else:
+                        self._router.forget(leaving)
                     plane.finish_operation(operation_id)
                     return
                 if phase is Phase.FAILED:

@@ -39,8 +39,9 @@ class Server:
 
 
 @contextmanager
-def serving(engine: AutoEngine, *, initial: int = 2, **router_kwargs: Any) -> Iterator[Server]:
-    plane = make_plane(engine=engine, initial=initial, clock=time.time)
+def serving(engine: AutoEngine, *, initial: int = 2, launch_size: int | None = None,
+            **router_kwargs: Any) -> Iterator[Server]:
+    plane = make_plane(engine=engine, initial=initial, launch_size=launch_size, clock=time.time)
     try:
         with live_server(make_app(plane, **router_kwargs)) as url:
             yield Server(plane, engine, url)
@@ -87,8 +88,8 @@ def test_scale_down_wait_prints_ranks_safe_to_terminate(
 def test_scale_remove_names_the_ranks_and_a_hole_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with serving(AutoEngine(), initial=4) as srv:
-        code = run("scale", "--url", srv.url, "--remove", "1")
+    with serving(AutoEngine(), initial=4, launch_size=2) as srv:
+        code = run("scale", "--url", srv.url, "--remove", "2")  # a joiner below the tail
         out = capsys.readouterr().out
         assert code == EXIT_USAGE, out
         assert '{"remove_ranks": [3]}' in out

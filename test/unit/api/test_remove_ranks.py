@@ -1,7 +1,8 @@
 """``POST /scale_elastic_ep {"remove_ranks": [...]}``: the RFC's rank-explicit removal. The
-tail is removed like ``new_ep_size``; failed launch-time ranks below it are removed where they
-are (holes, refilled by their relaunch); any other set is refused with the reason and the set
-that works, and changes nothing."""
+tail is removed like ``new_ep_size``; launch-time ranks below it are removed where they are
+(holes, refilled by their relaunch): failed ones at once, live ones after a drain run by the
+engine; any other set is refused with the reason and the set that works, and changes
+nothing."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from fastapi.testclient import TestClient
 
 @pytest.fixture
 def four_ranks() -> tuple[TestClient, FakeEngine, object]:
+    """Launched with 2 ranks, grown to 4: ranks 2 and 3 joined by scale-up."""
     engine = FakeEngine()
-    plane = make_plane(engine=engine, initial=4)
+    plane = make_plane(engine=engine, initial=4, launch_size=2)
     return TestClient(make_app(plane)), engine, plane
 
 
@@ -32,7 +34,7 @@ def test_removing_the_tail_is_a_scale_down_and_a_retry_replays(four_ranks) -> No
 
 
 @pytest.mark.parametrize(("ranks", "status", "reason", "hint"), [
-    ([1], 422, "not_the_tail", '{"remove_ranks": [3]}'),
+    ([2], 422, "not_the_tail", '{"remove_ranks": [3]}'),
     ([1, 3], 422, "not_the_tail", '{"remove_ranks": [2, 3]}'),
     ([0], 422, "rank_zero", '{"remove_ranks": [3]}'),
     ([0, 1, 2, 3], 422, "rank_zero", "shut the server down"),
@@ -116,20 +118,78 @@ def test_a_failed_launch_rank_below_the_tail_is_removed_then_its_relaunch_refill
     assert [(op.old_ep_size, op.new_ep_size) for op in engine.ops] == [(3, 2)]
 
 
-@pytest.mark.parametrize(("launch", "failed", "ranks", "fragment"), [
-    (2, [2], [2], "ranks [2] joined by scale-up"),
-    (4, [1], [1, 2], "ranks [2] are live"),
+@pytest.mark.parametrize(("launch", "failed", "ranks", "status", "reason", "fragment"), [
+    (2, [2], [2], 422, "not_the_tail", "ranks [2] joined by scale-up"),
+    (4, [1], [1, 2], 409, "failed_ranks_present",
+     'relaunch the failed ones with --elastic-ep-join-mode recover or remove them '
+     '({"remove_ranks": [1]})'),
+    (4, [3], [1], 409, "failed_ranks_present", "ranks [3] have failed, and live ranks [1]"),
 ])
-def test_only_failed_launch_ranks_leave_holes(launch: int, failed: list[int], ranks: list[int],
-                                              fragment: str) -> None:
+def test_only_launch_ranks_leave_holes_and_live_ones_only_while_all_serve(
+        launch: int, failed: list[int], ranks: list[int], status: int, reason: str,
+        fragment: str) -> None:
     engine = FakeEngine()
     plane = make_plane(engine=engine, initial=4, launch_size=launch)
     client = TestClient(make_app(plane))
     plane.observe_rank_liveness(failed, reason="killed")
     answer = client.post("/scale_elastic_ep", json={"remove_ranks": ranks})
-    assert answer.status_code == 422, answer.text
-    assert answer.json()["reason"] == "not_the_tail" and fragment in answer.text, answer.text
+    assert answer.status_code == status, answer.text
+    body = answer.json()
+    assert body["reason"] == reason and fragment in body["message"], body
     assert _states(client).count("failed") == len(failed) and engine.ops == []
+
+
+def test_a_live_launch_rank_below_the_tail_drains_then_leaves_a_hole_its_relaunch_refills(
+) -> None:
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=3, max_ep_size=4)
+    client = TestClient(make_app(plane))
+    answer = client.post("/scale_elastic_ep", json={"remove_ranks": [1], "operation_id": "rm"})
+    assert answer.status_code == 200, answer.text
+    assert "their shards drain" in answer.json()["message"]
+    # It runs on the schedulers (drain, then the agreed release): not finished at once.
+    assert [(op.old_ep_size, op.new_ep_size, op.ranks) for op in engine.ops] == [(3, 2, (1,))]
+    status = client.get("/elastic_ep/status").json()
+    assert status["current_operation"]["operation_id"] == "rm", status
+    plane.observe_rank_liveness([1], reason="released")  # leaving: not a failure
+    assert "rank_failed" not in _types_for(plane, [1])
+    refused = client.post("/scale_elastic_ep", json={"remove_ranks": [2]})
+    assert refused.status_code == 409 and refused.json()["reason"] == "operation_in_progress"
+
+    plane.finish_operation("rm")
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["current_operation"]) == (2, None), status
+    assert _states(client) == ["active", "safe_to_terminate", "active", "inactive"]
+    assert _types_for(plane, [1]) == ["scale_requested", "scale_committed", "safe_to_terminate"]
+    # Another live removal waits for the hole to close, and names the refill.
+    again = client.post("/scale_elastic_ep", json={"remove_ranks": [2]})
+    assert again.status_code == 409, again.text
+    assert again.json()["reason"] == "removed_ranks_present"
+    assert "new_ep_size 3, then relaunch ranks [1]" in again.json()["message"]
+
+    assert client.post("/scale_elastic_ep", json={"new_ep_size": 3,
+                                                  "operation_id": "fill"}).status_code == 200
+    plane.observe_rank_liveness([], reason="")  # the relaunch rejoined in place
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["phase"]) == (3, "serving_expanded"), status
+    assert _states(client) == ["active", "active", "active", "inactive"]
+    assert len(engine.ops) == 1  # the refill sends nothing: the relaunch rejoins by itself
+
+
+def test_a_live_removal_the_schedulers_refuse_changes_nothing() -> None:
+    from sglang_elastic_ep.api.control_plane import EngineRefusal
+
+    engine = FakeEngine()
+    engine.fail = EngineRefusal("logical experts [3] (layer 0) have no replica outside ranks [1]")
+    plane = make_plane(engine=engine, initial=3, max_ep_size=4)
+    client = TestClient(make_app(plane))
+    answer = client.post("/scale_elastic_ep", json={"remove_ranks": [1]})
+    assert answer.status_code == 422, answer.text
+    assert "have no replica outside ranks [1]" in answer.json()["message"]
+    assert "nothing changed" in answer.json()["message"]
+    status = client.get("/elastic_ep/status").json()
+    assert (status["effective_ep_size"], status["current_operation"]) == (3, None), status
+    assert _states(client) == ["active", "active", "active", "inactive"]
 
 
 def test_a_hole_takes_whole_attention_replicas() -> None:

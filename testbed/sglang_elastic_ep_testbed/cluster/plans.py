@@ -9,14 +9,15 @@ Each step is one change, derived from the sets (:func:`steps_of`): ``kill`` (the
 ranks), ``recover`` (failed or removed ranks come back: relaunched with
 ``--ep-join-mode recover``), ``grow`` (the next free slots: one joiner each, then
 ``POST /scale_elastic_ep``), ``shrink`` (the tail: ``POST /scale_elastic_ep``; the released
-servers exit 0), ``remove`` (the same set again right after a kill of launch-time ranks with a
-serving rank above them: they are removed where they are, ``{"remove_ranks": [...]}``, leaving
-holes that a later ``recover`` refills: ``POST /scale_elastic_ep`` to the size with them,
-then their relaunches; otherwise the same set again is ``stay``, and failed ranks stay
-failed). What the plugin does not do yet is refused before the cluster starts, with the
-reason: a removal of live ranks other than the tail, a killed rank 0 (it hosts the HTTP
-server), growing while ranks are failed or removed, a failed scale-joined tail brought back
-before the launch-time ranks that failed with it.
+servers exit 0), ``remove`` (launch-time ranks removed where they are,
+``{"remove_ranks": [...]}``, leaving holes that a later ``recover`` refills:
+``POST /scale_elastic_ep`` to the size with them, then their relaunches. Live ones: a set
+without them that is not a prefix; their servers exit 0. Failed ones: the same set again
+right after a kill of launch-time ranks with a serving rank above them; otherwise the same set
+again is ``stay``, and failed ranks stay failed). What the plugin does not do is refused
+before the cluster starts, with the reason: a removal of scale-joined ranks other than the
+tail, a killed rank 0 (it hosts the HTTP server), growing while ranks are failed or removed,
+a failed scale-joined tail brought back before the launch-time ranks that failed with it.
 
 After every step the runner checks what an orchestrator would: the status shows exactly the
 step's set active (killed ranks ``failed``, everything else inactive) and every active shard
@@ -160,8 +161,12 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
             raise PlanError(f"step {i}: ranks {sorted(failed | holes)} are failed or removed: "
                             "recover them first")
         if active != list(range(len(active))):
-            raise PlanError(f"step {i}: a scale-down removes the tail; {removed} is not "
-                            "(removing live ranks below the tail is not built)")
+            if any(r in joined for r in removed):
+                raise PlanError(f"step {i}: {removed} is not the tail, and only launch-time "
+                                "ranks are removed below it")
+            # Live launch-time ranks below the tail: removed where they are, leaving holes.
+            return Step(i, "remove", tuple(removed), tuple(active), (),
+                        tuple(sorted(holes | set(removed))))
         if len(active) < 2:
             raise PlanError(f"step {i}: attention DP needs two ranks; cannot shrink to "
                             f"{len(active)}")
@@ -176,7 +181,9 @@ def plan_spec(tiny_model: Path, steps: Sequence[Step], max_ep_size: int = 4,
     when the plan kills a launch-time rank (it then dies and comes back alone), else one
     server."""
     launch = len(steps[0].active)
-    kills_launch_rank = any(s.kind == "kill" and min(s.ranks) < launch for s in steps)
+    # A launch-time rank that dies or leaves alone needs a server of its own.
+    kills_launch_rank = any(s.kind in ("kill", "remove") and min(s.ranks) < launch
+                            for s in steps)
     redundant = DEFAULT_NUM_EXPERTS * (launch - 1)  # one slot per expert on every launch rank
     return ClusterSpec(
         tiny_model, ep_size=launch, max_ep_size=max_ep_size, moe_a2a_backend="nixl",
@@ -279,10 +286,17 @@ class PlanRunner:
 
     def _remove(self, step: Step) -> None:
         operation_id = f"plan-{step.index}-remove"
+        live = [r for r in step.ranks if r not in self.steps[step.index - 1].failed]
         httpx.post(self.cluster.url + "/scale_elastic_ep",
                    json={"remove_ranks": list(step.ranks), "operation_id": operation_id},
                    timeout=60).raise_for_status()
         self._wait_succeeded(operation_id, f"removal of {list(step.ranks)}")
+        for rank in live:  # a live rank leaves as a released one: its server exits 0
+            server = self._own_server(rank)
+            code = server.wait_exit(SERVES_S)
+            if code != 0:
+                raise AssertionError(f"removed rank {rank}'s server {server.name} exited with "
+                                     f"{code}, not 0")
 
     def _stay(self, step: Step) -> None:
         pass
