@@ -16,11 +16,12 @@ operation commits. The steps are the phase plan
 
 The same cluster then goes on with a second plan from its step ``[0, 1, 2]``: node 1 and the scale
 joiner are killed together (``kill_a_node_and_its_joiner_together``) and both come back (one
-cluster for both saves a start-up and a scale-up of the suite's time). A second test shrinks a
-three-node deployment below its launch size, kills and recovers a launch-time node at the smaller
-size, and refills the released launch slot with a joiner
-(``shrink_then_recover_a_launch_node_then_refill``). A third, outside the default suite (``long``),
-kills two launch-time nodes at once after a scale-up and brings both back
+cluster for both saves a start-up and a scale-up of the suite's time). A second test removes a
+live launch-time node of three where it is and refills its hole with a relaunch, then shrinks the
+deployment below its launch size, kills and recovers a launch-time node at the smaller size, and
+refills the released launch slot with a joiner
+(``remove_a_live_node_then_shrink_recover_and_refill``). A third, outside the default suite
+(``long``), kills two launch-time nodes at once after a scale-up and brings both back
 (``kill_two_launch_nodes_at_once``).
 """
 
@@ -215,28 +216,42 @@ def test_a_replacement_killed_as_it_is_taken_back_is_failed_and_relaunched(
         assert killed_in_recovery, "the first replacement was never killed"
 
 
-AFTER_A_SHRINK = (Path(__file__).parents[1] / "plans"
-                  / "shrink_then_recover_a_launch_node_then_refill.json")
+AFTER_A_LIVE_REMOVAL = (Path(__file__).parents[1] / "plans"
+                        / "remove_a_live_node_then_shrink_recover_and_refill.json")
 
 
-@pytest.mark.timeout(1200)
-def test_a_launch_node_recovers_after_a_shrink_and_its_released_slot_is_refilled(
+@pytest.mark.timeout(1500)
+def test_a_live_node_removed_where_it_is_then_a_launch_node_recovers_after_a_shrink(
         tiny_model: Path) -> None:
-    """The plan [[0, 1, 2], [0, 1], [0, -1], [0, 1], [0, 1, 2]] on three nodes: the shrink
-    releases launch-time rank 2 (its server exits 0) and lowers the launch-group boundary to 2;
-    node 1, killed at 2 ranks, rejoins in place at 2 (its replacement reads the boundary from
-    the store); then a scale joiner refills slot 2."""
-    steps = load_plan(AFTER_A_SHRINK)
+    """The plan [[0, 1, 2], [0, 2], [0, 1, 2], [0, 1], [0, -1], [0, 1], [0, 1, 2]] on three
+    nodes, under load. ``remove_ranks: [1]`` with node 1 serving: its shard drains, every rank
+    lets it go on one agreed pass and its server exits 0; the cluster serves on [0, 2], rank 1
+    safe to terminate and not failed; a scale-up to 3 and node 1's relaunch in recover mode
+    refill the hole. Then the shrink releases launch-time rank 2 (its server exits 0) and
+    lowers the launch-group boundary to 2; node 1, killed at 2 ranks, rejoins in place at 2
+    (its replacement reads the boundary from the store); then a scale joiner refills slot 2."""
+    steps = load_plan(AFTER_A_LIVE_REMOVAL)
     spec = plan_spec(tiny_model, steps)
     assert spec.nodes == 3
+
+    def hole_then_refilled(step: Step, status: dict) -> None:
+        if step.index == 1:  # removed where it was: a hole, not a failure
+            states = [r["state"] for r in status["ranks"][:3]]
+            assert (status["effective_ep_size"], states) == \
+                (2, ["active", "safe_to_terminate", "active"]), status
+            assert status["recent_operations"][0]["result"] == "succeeded", status
+        if step.index == 2:
+            assert status["effective_ep_size"] == 3, status
+
     with LocalCluster(spec) as cluster:
-        runner = run_plan(cluster, steps)
+        runner = run_plan(cluster, steps, after_step=hole_then_refilled)
         node1_log = cluster.followers[1].log_path.read_text(errors="replace")
         assert "rank 1 rejoins at the size the survivors serve on: 2 ranks (launched at 3)" \
             in node1_log
         joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
         assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
         primary_log = cluster.primary.log_path.read_text(errors="replace")
+        assert "ranks [1] removed where they were: serving on [0, 2]" in primary_log
         assert "ranks [2] joined by scale-up (new slots)" in primary_log
         assert read_status(cluster.url)["effective_ep_size"] == 3
 

@@ -21,6 +21,7 @@ from sglang_elastic_ep.core.agreement import (
     gathered_round,
     pack_row,
 )
+from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
 from sglang_elastic_ep.sglang import expert_health, gather_agreement, launch_recovery, tail_recovery
 from sglang_elastic_ep.sglang.gather_agreement import GatherAgreement
@@ -358,3 +359,36 @@ def test_readiness_skew_reads_the_environment_once_and_lives_on_the_runner(
     monkeypatch.delenv(gather_agreement.ENV_TEST_SKEW)  # later passes never read it again
     assert gather_agreement.readiness_skew(runner) is skew
     assert gather_agreement.readiness_skew(SimpleNamespace()).passes == 0  # another process
+
+
+def test_a_removal_below_the_tail_is_proposed_by_its_ranks_before_any_other_step(
+        proposing: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep.sglang.scale_down import scale_down_state
+
+    mask = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
+    state = SimpleNamespace(pending_ep_size=None, effective_ep_size=3, has_scaled=True,
+                            original_ep_size=3, active_ranks=mask.clone(),
+                            active_ranks_cpu=mask.clone(), scale_phase="draining")
+    down = scale_down_state(state)
+    propose = gather_agreement.propose
+    # Rank 2 (this one) stays while rank 1 is removed: ready at once, whatever it runs.
+    down.machine = ScaleDownMachine(rank=2, old_size=3, new_size=3, removed=(1,),
+                                    started_at=time.monotonic(), timeout_s=60)
+    assert propose(state, proposing, batch_idle=False) == Proposal(2, StepKind.REMOVE, 2, 2, 3)
+    # A let-go would otherwise be proposed: the pending removal goes first.
+    monkeypatch.setattr(tail_recovery, "contraction_target", lambda state, runner: 2)
+    assert propose(state, proposing, batch_idle=True).kind is StepKind.REMOVE
+    # Staying rank 0 failed: this rank calls the removal off (rank 1's failure would not).
+    state.active_ranks_cpu[0] = 0
+    assert propose(state, proposing, batch_idle=True) == Proposal(
+        2, StepKind.REMOVE, 0, 2, 3, abort=AbortReason.RANK_FAILED)
+    state.active_ranks_cpu[0] = 1
+    state.active_ranks_cpu[1] = 0
+    assert propose(state, proposing, batch_idle=True).abort is AbortReason.NONE
+    # Once committed, nothing of it is proposed again: rank 1's hole awaits its relaunch.
+    monkeypatch.setattr(launch_recovery, "replacements_registered", lambda state, ranks: False)
+    for step in (Phase.MOVING_EXPERTS, Phase.SWITCHING_PLACEMENT, Phase.RELEASING):
+        down.machine.advance(step, time.monotonic())
+    down.machine.committed(time.monotonic())
+    assert propose(state, proposing, batch_idle=True) == Proposal(2, StepKind.RECOVER, 0, 3, 3)
+

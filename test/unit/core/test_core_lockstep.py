@@ -6,6 +6,7 @@ import pytest
 
 from sglang_elastic_ep.core.agreement import (
     PROPOSAL_COLUMNS,
+    AbortReason,
     LockstepVerdict,
     Proposal,
     StepKind,
@@ -130,3 +131,32 @@ def test_each_rows_timings_land_in_its_own_slots() -> None:
         3, 4, 1, 2, 0, 0,  # rows
     ]
     assert gathered_timings(rows, slots_per_rank=0, capacity=3) == []
+
+
+def test_a_removal_is_named_by_its_ranks_and_entered_only_on_the_same_set() -> None:
+    from sglang_elastic_ep.core.agreement import bitmask_ranks, ranks_bitmask
+
+    assert ranks_bitmask([1, 3]) == 0b1010 and bitmask_ranks(0b1010) == (1, 3)
+    for bad in ([], [1, 1], [-1]):
+        with pytest.raises(ValueError):
+            ranks_bitmask(bad)
+    one = ranks_bitmask([1])
+
+    def row(rank: int, target: int, ready: bool) -> Proposal:
+        return Proposal(rank=rank, kind=StepKind.REMOVE, ready=target if ready else 0,
+                        target=target, serving=3)
+
+    agreed = verdict_from_proposals([row(0, one, True), row(1, one, True), row(2, one, True)])
+    assert agreed.verdict is LockstepVerdict.ENTER
+    # Rank 1 still drains: every rank serves on.
+    assert verdict_from_proposals([row(0, one, True), row(1, one, False),
+                                   row(2, one, True)]).verdict is LockstepVerdict.WAIT
+    # Another set of ranks is another operation, even when the sizes match.
+    other = ranks_bitmask([2])
+    assert verdict_from_proposals([row(0, one, True), row(1, one, True),
+                                   row(2, other, True)]).verdict is LockstepVerdict.WAIT
+    # A removal may be called off (its drain timed out): every rank drops it.
+    called_off = Proposal(rank=2, kind=StepKind.REMOVE, ready=0, target=one, serving=3,
+                          abort=AbortReason.TIMED_OUT)
+    assert verdict_from_proposals([row(0, one, True), called_off]).verdict \
+        is LockstepVerdict.ABORT

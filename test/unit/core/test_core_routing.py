@@ -94,3 +94,14 @@ def test_a_drain_that_ends_without_a_release_puts_a_dead_leaving_shard_down() ->
     assert {router.pick(3) for _ in range(4)} == {0, 1}
     router.start_drain({1})
     assert router.leaving_down == frozenset()  # a new drain starts from what it sees
+
+
+def test_a_shard_removed_where_it_is_stays_out_of_routing_until_reported_up() -> None:
+    router = LiveShardRouter()
+    router.start_drain({1})
+    assert [router.pick(3) for _ in range(4)] == [0, 2, 0, 2]
+    router.retire({1})
+    assert router.leaving == frozenset() and router.down == frozenset({1})
+    assert {router.pick(3) for _ in range(4)} == {0, 2}
+    router.mark_down(set(), in_flight=set())  # its relaunch serves: every shard reports up
+    assert {router.pick(3) for _ in range(6)} == {0, 1, 2}

@@ -102,3 +102,53 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="NONE"):
         m.call_off(AbortReason.NONE, "", 1.0)
     assert m.phase is Phase.DRAINING
+
+
+def removal(rank: int, removed: tuple[int, ...] = (1,), size: int = 3) -> ScaleDownMachine:
+    return ScaleDownMachine(rank=rank, old_size=size, new_size=size, removed=removed,
+                            started_at=100.0, timeout_s=60.0)
+
+
+def test_a_removal_below_the_tail_names_its_ranks_and_keeps_the_size() -> None:
+    leaving, staying, above = removal(1), removal(0), removal(2)
+    assert leaving.leaving and not staying.leaving and not above.leaving
+    assert leaving.leaving_ranks == (1,) and leaving.agreed_target == 0b10
+    assert removal(0, (1, 3), 4).agreed_target == 0b1010
+    assert leaving.role is Role.SCALE_DOWN_LEAVING and above.role is Role.SCALE_DOWN_STAYING
+    # Staying ranks (below and above it) are ready at once; the removed one after its drain.
+    assert staying.readiness(holds_no_request=False) == 0b10
+    assert above.readiness(holds_no_request=False) == 0b10
+    assert leaving.readiness(holds_no_request=True) == 0
+    leaving.confirm_drain()
+    assert leaving.readiness(holds_no_request=True) == 0b10
+    assert leaving.is_for(3, (1,)) and not leaving.is_for(2) and not leaving.is_for(3, (2,))
+
+
+def test_a_removal_is_called_off_when_a_staying_rank_fails_not_the_removed_one() -> None:
+    m = removal(0)
+    assert m.abort_reason(101.0, failed_ranks=frozenset({1})) is AbortReason.NONE
+    assert m.abort_reason(101.0, failed_ranks=frozenset({2})) is AbortReason.RANK_FAILED
+    assert m.abort_reason(161.0, failed_ranks=frozenset()) is AbortReason.TIMED_OUT
+    message = m.call_off(AbortReason.TIMED_OUT, "", 161.0)
+    assert message.startswith("removal of ranks [1] called off: the drain did not end")
+
+
+def test_a_late_drain_confirmation_of_a_removal_is_answered_once() -> None:
+    m = removal(0)
+    for step in (Phase.MOVING_EXPERTS, Phase.SWITCHING_PLACEMENT, Phase.RELEASING):
+        m.advance(step, 101.0)
+    assert m.committed(101.0) is Phase.SERVING_CONTRACTED
+    assert not m.answers_late_confirmation(3, (2,))
+    assert m.answers_late_confirmation(3, (1,))
+    assert not m.answers_late_confirmation(3, (1,))  # the same removal later is a new one
+
+
+@pytest.mark.parametrize(("removed", "new", "match"), [
+    ((1,), 2, "keeps the size"),
+    ((0,), 3, "in 1..2"),
+    ((3,), 3, "in 1..2"),
+    ((2, 1), 3, "sorted"),
+])
+def test_bad_removals_are_refused(removed: tuple[int, ...], new: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ScaleDownMachine(rank=0, old_size=3, new_size=new, removed=removed, started_at=0.0)
