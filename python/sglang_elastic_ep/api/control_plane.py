@@ -278,7 +278,8 @@ class InProcessControlPlane:
                 resolved = resolve_removal(
                     request.remove_ranks, m.effective_size, failed=m.failed_in_range(),
                     launch_size=self._topology.launch_size, joined=self._joined_slots,
-                    removed=m.removed, attn_replica_size=self._topology.attn_replica_size)
+                    removed=m.removed, attn_replica_size=self._topology.attn_replica_size,
+                    min_size=self._topology.min_ep_size)
                 if isinstance(resolved, int):
                     request = request.as_size(resolved - len(m.removed))
                 elif resolved.ok:

@@ -91,7 +91,8 @@ def _ranks(ranks: Iterable[int]) -> str:
 def resolve_removal(ranks: Iterable[int], current_size: int, *,
                     failed: Iterable[int] = (), launch_size: int | None = None,
                     joined: Iterable[int] = (), removed: Iterable[int] = (),
-                    attn_replica_size: int = 1) -> int | ScaleVerdict:
+                    attn_replica_size: int = 1, min_size: int = 1,
+                    hints: bool = True) -> int | ScaleVerdict:
     """``remove_ranks`` as the size it leaves (the tail of ``current_size``), or as an
     accepted removal of launch-time ranks below the tail (``leaves_holes``; ``drains`` when
     they are live), or why it cannot be done. A removed launch-time rank leaves a hole that a
@@ -100,7 +101,9 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     Launch-time ranks are those below ``launch_size`` that no scale joiner holds now
     (``joined``: a launch-time slot a shrink released and a scale-up refilled). Failed ranks
     are removed together (nothing runs); live ones only while no rank has failed and no hole
-    is open (``removed``), so the drain and the agreed release start from one known set."""
+    is open (``removed``), so the drain and the agreed release start from one known set.
+    ``min_size`` (``ScaleTopology.min_ep_size``): a refusal offers the tail only down to it.
+    ``hints=False``: refusals offer no other set (how an offer itself is checked)."""
     named = sorted(set(ranks))
     unknown = [r for r in named if r >= current_size]
     if unknown:
@@ -110,19 +113,62 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
             f"(ranks 0..{current_size - 1}); nothing changed",
         )
     tail = list(range(current_size - len(named), current_size))
+    down = frozenset(failed)
+    holes_open = sorted(removed)
+    refill = (f"refill the holes of removed ranks {_ranks(holes_open)} first (new_ep_size "
+              f"{current_size}, then relaunch them with --elastic-ep-join-mode recover: they "
+              "rejoin in place)")
+    # The tail is offered only where it is accepted: not while a hole is open, and with
+    # failed ranks the one scale-down admitted removes exactly them.
+    smaller = current_size - len(named)
+    if holes_open:
+        instead = refill
+    elif not _size_accepted(smaller, min_size, attn_replica_size):
+        instead = f"no {len(named)} ranks can leave: {current_size} ranks hold every expert"
+    elif not down or down == set(tail):
+        instead = (f'remove the {len(named)} highest ranks instead ({{"remove_ranks": '
+                   f"{_ranks(tail)}}}, the same as new_ep_size {smaller})")
+    else:
+        instead = "relaunch the failed ones with --elastic-ep-join-mode recover instead"
     if 0 in named:
         return _refuse(
             HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.RANK_ZERO,
             "rank 0 hosts the HTTP server and the DP router and cannot be removed; "
-            + (f'remove the {len(named)} highest ranks instead: {{"remove_ranks": '
-               f"{_ranks(tail)}}}" if len(named) < current_size
+            + (instead if len(named) < current_size
                else "to stop serving, shut the server down"),
         )
     if named == tail:
         return current_size - len(named)
-    down = frozenset(failed)
     launch = current_size if launch_size is None else launch_size
     joiners = frozenset(joined) | frozenset(range(launch, current_size))
+    def offered(candidate: Iterable[int]) -> bool:
+        """Whether a refusal may offer removing ``candidate`` instead: it is accepted."""
+        if not hints:
+            return False
+        verdict = resolve_removal(candidate, current_size, failed=down, launch_size=launch,
+                                  joined=joined, removed=holes_open,
+                                  attn_replica_size=attn_replica_size, min_size=min_size,
+                                  hints=False)
+        if isinstance(verdict, int):  # a tail: accepted as that size
+            return (not holes_open and _size_accepted(verdict, min_size, attn_replica_size)
+                    and (not down or down == set(range(verdict, current_size))))
+        return verdict.ok
+
+    live = [r for r in named if r not in down]
+    if live and holes_open:
+        return _refuse(
+            HTTPStatus.CONFLICT, RejectionReason.REMOVED_RANKS_PRESENT,
+            f"live ranks are removed only while no hole is open; {refill}, then retry",
+        )
+    if live and down:
+        failed_hint = (f' or remove them ({{"remove_ranks": {_ranks(down)}}})'
+                       if offered(down) else "")
+        return _refuse(
+            HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
+            f"ranks {_ranks(down)} have failed, and live ranks {_ranks(live)} are removed only "
+            f"while every rank serves: relaunch the failed ones with --elastic-ep-join-mode "
+            f"recover{failed_hint}, then retry",
+        )
     scale_joined = [r for r in named if r in joiners]
     if scale_joined:
         rest = sorted(set(range(current_size)) - set(named))
@@ -130,44 +176,25 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
             HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
             f"removing {_ranks(named)} would leave the active ranks {_ranks(rest)} with a "
             f"hole, and ranks {_ranks(scale_joined)} joined by scale-up, which leave from the "
-            f"tail only; remove the {len(named)} highest ranks instead "
-            f'({{"remove_ranks": {_ranks(tail)}}}, the same as new_ep_size '
-            f"{current_size - len(named)})"
-            + (", or relaunch a failed rank with --elastic-ep-join-mode recover"
-               if down else ""),
-        )
-    live = [r for r in named if r not in down]
-    if live and down:
-        accepted = resolve_removal(down, current_size, failed=down, launch_size=launch,
-                                   joined=joined, attn_replica_size=attn_replica_size)
-        failed_hint = (f' or remove them ({{"remove_ranks": {_ranks(down)}}})'
-                       if isinstance(accepted, int) or accepted.ok else "")
-        return _refuse(
-            HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
-            f"ranks {_ranks(down)} have failed, and live ranks {_ranks(live)} are removed only "
-            f"while every rank serves: relaunch the failed ones with --elastic-ep-join-mode "
-            f"recover{failed_hint}, then retry",
-        )
-    holes_open = sorted(removed)
-    if live and holes_open:
-        return _refuse(
-            HTTPStatus.CONFLICT, RejectionReason.REMOVED_RANKS_PRESENT,
-            f"removed ranks {_ranks(holes_open)} leave holes, and live ranks are removed only "
-            f"while none is open; refill them first (new_ep_size {current_size}, then relaunch "
-            f"ranks "
-            f"{_ranks(holes_open)} with --elastic-ep-join-mode recover: they rejoin in place), "
-            "then retry",
+            f"tail only; {instead}",
         )
     split = sorted({r // attn_replica_size for r in named
                     if any(p not in named for p in _replica(r, attn_replica_size))})
+    if split and split[0] == 0:
+        return _refuse(
+            HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.RANK_ZERO,
+            f"ranks {_ranks(_replica(0, attn_replica_size))} form rank 0's attention replica, "
+            "which hosts the HTTP server and the DP router, and cannot be removed; name whole "
+            "replicas above it",
+        )
     if split:
-        whole = sorted(p for g in split for p in _replica(g * attn_replica_size,
-                                                           attn_replica_size))
+        whole = sorted(set(named) | {p for g in split
+                                     for p in _replica(g * attn_replica_size, attn_replica_size)})
         return _refuse(
             HTTPStatus.BAD_REQUEST, RejectionReason.INCOMPLETE_ATTENTION_REPLICA,
             f"removing {_ranks(named)} would split an attention replica of "
-            f"{attn_replica_size} ranks; name whole replicas, e.g. "
-            f'{{"remove_ranks": {_ranks(set(named) | set(whole))}}}',
+            f"{attn_replica_size} ranks; name whole replicas"
+            + (f', e.g. {{"remove_ranks": {_ranks(whole)}}}' if offered(whole) else ""),
         )
     if live:
         return ScaleVerdict(
@@ -184,6 +211,10 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
                  f"{current_size - len(named)} ranks; relaunch them with "
                  "--elastic-ep-join-mode recover to refill their slots"),
     )
+
+
+def _size_accepted(size: int, min_size: int, attn_replica_size: int) -> bool:
+    return size >= max(min_size, 1) and size % attn_replica_size == 0
 
 
 def _replica(rank: int, attn_replica_size: int) -> range:

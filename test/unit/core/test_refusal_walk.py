@@ -111,3 +111,45 @@ def test_refusals_while_holes_are_open_name_the_refill_that_is_accepted() -> Non
                 assert again is not None and again.ok and again.refills_holes, \
                     (serving, holes, target, verdict.message)
     assert walked > 0
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=repr)
+def test_no_removal_refusal_recommends_an_action_the_same_state_refuses(
+    topology: ScaleTopology,
+) -> None:
+    """The same walk for ``remove_ranks``: every set of one or two ranks, from states with
+    failed ranks or an open hole (a removed launch-time rank)."""
+    launch = topology.launch_size or 0
+    walked = 0
+    for current, failed in states(topology):
+        open_holes = [()] + [(h,) for h in range(1, min(current, launch)) if h not in failed]
+        for holes, k in itertools.product(open_holes, (1, 2)):
+            for ranks in itertools.combinations(range(current + 1), k):
+                verdict = resolve_removal(ranks, current, failed=failed, launch_size=launch,
+                                          removed=holes,
+                                          attn_replica_size=topology.attn_replica_size,
+                                          min_size=topology.min_ep_size)
+                if isinstance(verdict, int) or verdict.ok:
+                    continue
+                walked += 1
+                state = (current, failed, holes, ranks, verdict.message)
+                for suggested in map(json.loads, REMOVAL.findall(verdict.message)):
+                    again = resolve_removal(suggested, current, failed=failed,
+                                            launch_size=launch, removed=holes,
+                                            attn_replica_size=topology.attn_replica_size)
+                    assert isinstance(again, int) or again.ok, (state, again)
+                    if isinstance(again, int):  # a tail: judged as that size
+                        size_verdict = judge_with_holes(again - len(holes), current - len(holes),
+                                                        holes) or validate_scale(
+                            again, current_size=current, topology=topology,
+                            failed_ranks=failed)
+                        assert size_verdict.ok, (state, size_verdict.message)
+                for size in map(int, re.findall(r"new_ep_size (\d+)", verdict.message)):
+                    size_verdict = judge_with_holes(size - len(holes), current - len(holes),
+                                                    holes) if holes else None
+                    size_verdict = size_verdict or validate_scale(
+                        size, current_size=current, topology=topology, failed_ranks=failed)
+                    assert size_verdict.ok, (state, size_verdict.message)
+                if "recover" in verdict.message:
+                    assert failed or holes, state
+    assert walked > 0
