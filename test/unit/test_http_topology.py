@@ -25,6 +25,13 @@ def test_one_rank_per_attention_replica_with_dp_attention() -> None:
     assert ep_size == 2 and topology.max_ep_size == 4 and topology.attn_replica_size == 1
 
 
+@pytest.mark.parametrize(("nnodes", "per_node"), [(None, 4), (1, 4), (2, 2), (4, 1)])
+def test_the_launch_ranks_are_split_evenly_over_the_nodes(nnodes: int | None,
+                                                          per_node: int) -> None:
+    args = SimpleNamespace(tp_size=4, dp_size=1, attn_dp_size=4, max_ep_size=8, nnodes=nnodes)
+    assert topology_from_args(args)[0].ranks_per_node == per_node
+
+
 def test_without_attention_dp_the_whole_tp_group_is_one_replica() -> None:
     args = SimpleNamespace(tp_size=2, dp_size=1, attn_dp_size=1, max_ep_size=None)
     topology, ep_size = topology_from_args(args)

@@ -279,7 +279,8 @@ class InProcessControlPlane:
                     request.remove_ranks, m.effective_size, failed=m.failed_in_range(),
                     launch_size=self._topology.launch_size, joined=self._joined_slots,
                     removed=m.removed, attn_replica_size=self._topology.attn_replica_size,
-                    min_size=self._topology.min_ep_size)
+                    min_size=self._topology.min_ep_size,
+                    ranks_per_node=self._topology.ranks_per_node)
                 if isinstance(resolved, int):
                     request = request.as_size(resolved - len(m.removed))
                 elif resolved.ok:

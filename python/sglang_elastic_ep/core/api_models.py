@@ -180,6 +180,7 @@ class RejectionReason(str, enum.Enum):
     INVALID_TARGET = "invalid_target"
     EXCEEDS_MAX_EP_SIZE = "exceeds_max_ep_size"
     INCOMPLETE_ATTENTION_REPLICA = "incomplete_attention_replica"
+    INCOMPLETE_NODE = "incomplete_node"
     TOO_FEW_EXPERT_SLOTS = "too_few_expert_slots"
     FAILED_RANKS_PRESENT = "failed_ranks_present"
     MUST_REMOVE_FAILED_RANKS = "must_remove_failed_ranks"

@@ -43,10 +43,12 @@ class ScaleTopology:
     num_logical_experts: int | None = None
     slots_per_rank: int | None = None  # physical expert slots per rank, fixed at launch
     launch_size: int | None = None  # ranks at launch: a shrink below it releases launch-time slots
+    # Launch-time ranks per launch_server tree (node): a live one leaves with its whole node.
+    ranks_per_node: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_ep_size < 1 or self.attn_replica_size < 1:
-            raise ValueError("max_ep_size and attn_replica_size must be >= 1")
+        if self.max_ep_size < 1 or self.attn_replica_size < 1 or self.ranks_per_node < 1:
+            raise ValueError("max_ep_size, attn_replica_size and ranks_per_node must be >= 1")
         if self.max_ep_size % self.attn_replica_size:
             raise ValueError(
                 f"max_ep_size {self.max_ep_size} is not a multiple of the attention replica "
@@ -91,7 +93,7 @@ def _ranks(ranks: Iterable[int]) -> str:
 def resolve_removal(ranks: Iterable[int], current_size: int, *,
                     failed: Iterable[int] = (), launch_size: int | None = None,
                     joined: Iterable[int] = (), removed: Iterable[int] = (),
-                    attn_replica_size: int = 1, min_size: int = 1,
+                    attn_replica_size: int = 1, min_size: int = 1, ranks_per_node: int = 1,
                     hints: bool = True) -> int | ScaleVerdict:
     """``remove_ranks`` as the size it leaves (the tail of ``current_size``), or as an
     accepted removal of launch-time ranks below the tail (``leaves_holes``; ``drains`` when
@@ -103,6 +105,8 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     are removed together (nothing runs); live ones only while no rank has failed and no hole
     is open (``removed``), so the drain and the agreed release start from one known set.
     ``min_size`` (``ScaleTopology.min_ep_size``): a refusal offers the tail only down to it.
+    ``ranks_per_node``: a live launch-time rank leaves with every rank of its node (its server
+    exits; node 0's hosts the HTTP server and stays), so a relaunch of the node refills them.
     ``hints=False``: refusals offer no other set (how an offer itself is checked)."""
     named = sorted(set(ranks))
     unknown = [r for r in named if r >= current_size]
@@ -148,7 +152,7 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
         verdict = resolve_removal(candidate, current_size, failed=down, launch_size=launch,
                                   joined=joined, removed=holes_open,
                                   attn_replica_size=attn_replica_size, min_size=min_size,
-                                  hints=False)
+                                  ranks_per_node=ranks_per_node, hints=False)
         if isinstance(verdict, int):  # a tail: accepted as that size
             return (not holes_open and _size_accepted(verdict, min_size, attn_replica_size)
                     and (not down or down == set(range(verdict, current_size))))
@@ -194,6 +198,24 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
             HTTPStatus.BAD_REQUEST, RejectionReason.INCOMPLETE_ATTENTION_REPLICA,
             f"removing {_ranks(named)} would split an attention replica of "
             f"{attn_replica_size} ranks; name whole replicas"
+            + (f', e.g. {{"remove_ranks": {_ranks(whole)}}}' if offered(whole) else ""),
+        )
+    nodes = sorted({r // ranks_per_node for r in live})
+    if live and nodes[0] == 0:
+        return _refuse(
+            HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.RANK_ZERO,
+            f"ranks {_ranks(r for r in live if r < ranks_per_node)} run in node 0's server "
+            "with rank 0, which hosts the HTTP server and stays: a live rank leaves with its "
+            f"whole node; {instead}",
+        )
+    partial = sorted({p for n in nodes for p in range(n * ranks_per_node,
+                                                         (n + 1) * ranks_per_node)} - set(named))
+    if live and partial:
+        whole = sorted(set(named) | set(partial))
+        return _refuse(
+            HTTPStatus.BAD_REQUEST, RejectionReason.INCOMPLETE_NODE,
+            f"a live rank leaves with every rank of its node ({ranks_per_node} per node), and "
+            f"ranks {_ranks(partial)} share a node with {_ranks(live)}; name whole nodes"
             + (f', e.g. {{"remove_ranks": {_ranks(whole)}}}' if offered(whole) else ""),
         )
     if live:

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 def topology_from_args(
     server_args: Any, replica_size: int | None = None
 ) -> tuple[ScaleTopology, int]:
-    """(topology, launch EP size): with DP attention one EP rank per TP rank.
+    """(topology, launch EP size): with DP attention one EP rank per TP rank, split evenly
+    over ``--nnodes`` launch servers.
 
     ``replica_size`` is the tokenizer manager's own ``attn_replica_size`` (attn TP x attn CP,
     what upstream's scale validation uses) when known: the HTTP process's server args do not
@@ -47,8 +48,9 @@ def topology_from_args(
         replica_size = max(1, ep_size // attn_dp)
     replica = int(replica_size)
     max_ep = int(declared_max_ep_size(server_args) or ep_size)
-    return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica,
-                         launch_size=ep_size), ep_size
+    nnodes = max(1, int(getattr(server_args, "nnodes", 1) or 1))
+    return ScaleTopology(max_ep_size=max_ep, attn_replica_size=replica, launch_size=ep_size,
+                         ranks_per_node=max(1, ep_size // nnodes)), ep_size
 
 
 def mount_on_server(result: Any, global_state: Any) -> None:

@@ -93,12 +93,13 @@ def make_plane(
     engine: Any = None,
     clock: Clock | None = None,
     launch_size: int | None = None,
+    ranks_per_node: int = 1,
     **kwargs: Any,
 ) -> InProcessControlPlane:
     ids = iter(f"gen-{i}" for i in range(1000))
     plane = InProcessControlPlane(
         topology=ScaleTopology(max_ep_size=max_ep_size, attn_replica_size=attn_replica_size,
-                               launch_size=launch_size),
+                               launch_size=launch_size, ranks_per_node=ranks_per_node),
         initial_ep_size=initial,
         engine=engine,
         instance_id=INSTANCE,

@@ -302,3 +302,24 @@ def test_a_launch_slot_refilled_by_a_joiner_is_no_launch_time_rank() -> None:
     assert "remove_ranks" not in shrink.json()["message"]
     assert client.post("/scale_elastic_ep", json={"remove_ranks": [1]}).status_code == 200
     assert _states(client) == ["active", "safe_to_terminate", "failed", "active"]
+
+
+@pytest.mark.parametrize(("ranks", "status", "reason", "fragment"), [
+    ([2], 400, "incomplete_node", '{"remove_ranks": [2, 3]}'),
+    ([1], 422, "rank_zero", "run in node 0's server with rank 0"),
+])
+def test_a_live_rank_leaves_with_its_whole_node(ranks: list[int], status: int, reason: str,
+                                                fragment: str) -> None:
+    """Two ranks per node: a node's server exits when its ranks leave, and its relaunch
+    brings both back, so a live removal names whole nodes (never node 0's)."""
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=6, ranks_per_node=2)
+    client = TestClient(make_app(plane))
+    answer = client.post("/scale_elastic_ep", json={"remove_ranks": ranks})
+    assert answer.status_code == status, answer.text
+    body = answer.json()
+    assert body["reason"] == reason and fragment in body["message"], body
+    assert engine.ops == []
+    whole = client.post("/scale_elastic_ep", json={"remove_ranks": [2, 3]})
+    assert whole.status_code == 200, whole.text
+    assert [op.ranks for op in engine.ops] == [(2, 3)]

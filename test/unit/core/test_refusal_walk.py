@@ -118,25 +118,24 @@ def test_no_removal_refusal_recommends_an_action_the_same_state_refuses(
     topology: ScaleTopology,
 ) -> None:
     """The same walk for ``remove_ranks``: every set of one or two ranks, from states with
-    failed ranks or an open hole (a removed launch-time rank)."""
+    failed ranks or an open hole (a removed launch-time rank), with one or two launch-time
+    ranks per node."""
     launch = topology.launch_size or 0
     walked = 0
-    for current, failed in states(topology):
+    for (current, failed), per_node in itertools.product(states(topology), (1, 2)):
         open_holes = [()] + [(h,) for h in range(1, min(current, launch)) if h not in failed]
+        removal_args = dict(failed=failed, launch_size=launch,
+                            attn_replica_size=topology.attn_replica_size,
+                            min_size=topology.min_ep_size, ranks_per_node=per_node)
         for holes, k in itertools.product(open_holes, (1, 2)):
             for ranks in itertools.combinations(range(current + 1), k):
-                verdict = resolve_removal(ranks, current, failed=failed, launch_size=launch,
-                                          removed=holes,
-                                          attn_replica_size=topology.attn_replica_size,
-                                          min_size=topology.min_ep_size)
+                verdict = resolve_removal(ranks, current, removed=holes, **removal_args)
                 if isinstance(verdict, int) or verdict.ok:
                     continue
                 walked += 1
                 state = (current, failed, holes, ranks, verdict.message)
                 for suggested in map(json.loads, REMOVAL.findall(verdict.message)):
-                    again = resolve_removal(suggested, current, failed=failed,
-                                            launch_size=launch, removed=holes,
-                                            attn_replica_size=topology.attn_replica_size)
+                    again = resolve_removal(suggested, current, removed=holes, **removal_args)
                     assert isinstance(again, int) or again.ok, (state, again)
                     if isinstance(again, int):  # a tail: judged as that size
                         size_verdict = judge_with_holes(again - len(holes), current - len(holes),
