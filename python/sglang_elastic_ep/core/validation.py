@@ -128,7 +128,8 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     if holes_open:
         instead = refill
     elif not _size_accepted(smaller, min_size, attn_replica_size):
-        instead = f"no {len(named)} ranks can leave: {current_size} ranks hold every expert"
+        instead = (f"no smaller size is accepted (at least {max(min_size, 1)} ranks, in whole "
+                   f"attention replicas of {attn_replica_size})")
     elif not down or down == set(tail):
         instead = (f'remove the {len(named)} highest ranks instead ({{"remove_ranks": '
                    f"{_ranks(tail)}}}, the same as new_ep_size {smaller})")
@@ -145,6 +146,7 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
         return current_size - len(named)
     launch = current_size if launch_size is None else launch_size
     joiners = frozenset(joined) | frozenset(range(launch, current_size))
+
     def offered(candidate: Iterable[int]) -> bool:
         """Whether a refusal may offer removing ``candidate`` instead: it is accepted."""
         if not hints:

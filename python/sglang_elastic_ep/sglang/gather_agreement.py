@@ -149,8 +149,8 @@ def propose(state: Any, runner: Any, *, batch_idle: bool) -> Proposal:
     """This rank's proposal for the pass, from host state only: a scale up or down, a removal
     of live ranks below the tail (``rank_removal``), letting go of a failed tail of
     scale-joined ranks (``tail_recovery``), or taking back failed launch-time ranks in place
-    (``launch_recovery``). ``batch_idle``: this rank's
-    batch for the pass holds no request (a leaving rank is ready only then)."""
+    (``launch_recovery``). ``batch_idle``: this rank's batch for the pass holds no request
+    (a leaving rank is ready only then)."""
     tail_recovery.request_return_when_replacement_registered(state)
     rank = runner._elastic_global_rank()
     down = scale_down_state(state)

@@ -3,10 +3,11 @@
 ``{"remove_ranks": [1]}`` of ``[0, 1, 2]`` with rank 1 serving. The cluster already serves
 around a failed launch-time rank (it is inactive in every mask, the dispatch skips its slots,
 and a relaunch with ``--ep-join-mode recover`` is taken back in place: by upstream's recovery
-before any scale, by ``launch_recovery`` after one). A
-live removal brings rank 1 into that state on one agreed pass instead of by a crash, after the
-HTTP process drained its shard as for a scale-down (``scale_down`` drives the drain and the
-machine; this module holds the checks and the release):
+before any scale, by ``launch_recovery`` after one). A live removal brings rank 1 into that
+state on one agreed pass instead of by a crash, after the HTTP process drained its shard as for
+a scale-down (``scale_down`` drives the drain and the machine; this module holds the checks and
+the release). The HTTP process has checked the set (whole launch nodes other than node 0,
+whole attention replicas) before sending it, so every scheduler answers the same request:
 
 - every rank marks the removed ranks inactive in WORLD's mask and in each launch-time group's,
   and Mooncake deactivates them in each of those groups, as its fault detection would have;
@@ -61,11 +62,6 @@ def removal_refusal(state: Any, ranks: Sequence[int]) -> str | None:
         return (f"ranks {failed} have failed: relaunch them with --ep-join-mode recover, or "
                 f'remove them first ({{"remove_ranks": {failed}}}), then retry')
     replica = attn_replica_size()
-    split = sorted({r // replica for r in ranks
-                    if not all(p in ranks for p in _replica(r, replica))})
-    if split:
-        return (f"removing {list(ranks)} would split an attention replica of {replica} ranks: "
-                "name whole replicas")
     staying = [r for r in range(size) if r not in ranks]
     if parallel.attn_dp_enabled and len(staying) // replica < 2:
         return (f"removing {list(ranks)} would leave {len(staying) // replica} attention DP "
@@ -78,11 +74,6 @@ def removal_refusal(state: Any, ranks: Sequence[int]) -> str | None:
                 "(new_ep_size), which moves experts first, or launch with more "
                 "--ep-num-redundant-experts")
     return None
-
-
-def _replica(rank: int, size: int) -> range:
-    first = rank // size * size
-    return range(first, first + size)
 
 
 def release_removed_ranks(runner: Any, ranks: Sequence[int],
