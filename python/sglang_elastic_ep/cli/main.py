@@ -459,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     target = scale.add_mutually_exclusive_group(required=True)
     target.add_argument("--to", type=_positive_int, help="target EP ranks")
     target.add_argument("--remove", type=int, nargs="+", metavar="RANK",
-                        help="remove these ranks (the tail of the current size)")
+                        help="remove these ranks: the tail of the current size, or launch-time "
+                             "ranks where they are (their relaunch refills them)")
     scale.add_argument("--wait", action="store_true", help="follow phases until done")
     scale.add_argument("--operation-id", help="idempotency key (default: a new UUID)")
     scale.add_argument("--expected-instance-id", help="refuse (412) if the server restarted")
