@@ -265,3 +265,58 @@ def test_a_drain_confirmation_awaits_only_the_live_schedulers() -> None:
     adapter.router.forget([2])
     asyncio.run(engine._confirm_drain(op))  # every shard alive: the fan-out is left alone
     assert tm.fan_outs == [2, 3]
+
+
+def test_a_live_removal_drains_its_shard_sends_its_ranks_and_leaves_a_hole() -> None:
+    from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+    from sglang_elastic_ep.core.api_models import ScaleRequest
+    from sglang_elastic_ep.core.validation import ScaleTopology
+    from sglang_elastic_ep.sglang.removal_request import removal_size
+
+    plane = InProcessControlPlane(
+        topology=ScaleTopology(max_ep_size=4, attn_replica_size=1), initial_ep_size=3
+    )
+    ok = SimpleNamespace(success=True, message="draining", pending_ep_size=3,
+                         scale_phase="draining")
+    tm = FakeTokenizerManager(ok)
+    confirmations: list[int] = []
+
+    async def confirm(obj: object) -> list[object]:
+        confirmations.append(obj.new_ep_size)
+        return [ok, ok, ok]
+
+    tm.scale_elastic_ep_communicator = confirm
+    adapter = HttpAdapterState(plane=plane)
+    plane._engine = UpstreamEngine(tm, adapter)
+
+    async def remove() -> object:
+        result = await plane.request_scale(ScaleRequest(remove_ranks=[1], operation_id="rm"))
+        await asyncio.to_thread(wait_until, lambda: plane.status().current_operation is None,
+                                60, "the removal finished", 0.05)
+        return result
+
+    answer = asyncio.run(remove())
+    assert answer.status == 200, answer
+    # The ranks travel as the size upstream's struct carries; the drain is confirmed with the
+    # same request (nothing ran on shard 1 here).
+    assert tm.asked == [removal_size([1])] and confirmations == [removal_size([1])]
+    assert adapter.router.down == frozenset({1}) and not adapter.router.leaving
+    assert {adapter.router.pick(3) for _ in range(4)} == {0, 2}
+    status = plane.status()
+    assert status.effective_ep_size == 2 and status.recent_operations[0].result == "succeeded"
+    assert [r.state.value for r in status.ranks][:3] == ["active", "safe_to_terminate", "active"]
+
+
+def test_a_committed_removal_is_read_from_rank_0s_update_with_the_same_size() -> None:
+    from sglang_elastic_ep.sglang.tokenizer_hooks import apply_scale_update
+
+    tm = SimpleNamespace(attn_replica_size=1, elastic_worker_count=3, elastic_pending_ep_size=3,
+                         elastic_scale_phase="draining", elastic_last_error=None)
+    upstream: list[object] = []
+    removal = SimpleNamespace(success=True, effective_ep_size=3, slot_count=0)
+    assert apply_scale_update(lambda t, m: upstream.append(m), tm, removal) is None
+    assert upstream == [] and tm.elastic_worker_count == 3
+    assert (tm.elastic_pending_ep_size, tm.elastic_scale_phase) == (None, "serving_contracted")
+    grow = SimpleNamespace(success=True, effective_ep_size=4, slot_count=1)
+    apply_scale_update(lambda t, m: upstream.append(m), tm, grow)
+    assert upstream == [grow]  # a scale-up is upstream's
