@@ -2,8 +2,8 @@
 
 ``{"remove_ranks": [1]}`` of ``[0, 1, 2]`` with rank 1 serving. The cluster already serves
 around a failed launch-time rank (it is inactive in every mask, the dispatch skips its slots,
-and a relaunch with ``--ep-join-mode recover`` is taken back in place: by upstream's recovery
-before any scale, by ``launch_recovery`` after one). A live removal brings rank 1 into that
+and a relaunch with ``--ep-join-mode recover`` is taken back in place on an agreed pass by
+``launch_recovery``, as after a scale). A live removal brings rank 1 into that
 state on one agreed pass instead of by a crash, after the HTTP process drained its shard as for
 a scale-down (``scale_down`` drives the drain and the machine; this module holds the checks and
 the release). The HTTP process has checked the set (whole launch nodes other than node 0,
@@ -115,6 +115,12 @@ def release_removed_ranks(runner: Any, ranks: Sequence[int],
             mask = getattr(group, name, None)
             if mask is not None:
                 mask[local] = 0
+    # A relaunch is then taken back on a pass every survivor agreed on (launch_recovery's
+    # RECOVER step), not by upstream's own recovery, which each survivor enters when its own
+    # poll sees the replacement: with two survivors one entered the take-back's group
+    # broadcast while the other ran its next DP gather, and both hung (a 3-node cluster never
+    # scaled before the removal).
+    state.has_scaled = True
     leaving = rank in removed
     enter_phase(Phase.RELEASED if leaving else Phase.SERVING_CONTRACTED)
     if leaving:
