@@ -238,15 +238,22 @@ def test_the_idle_step_runs_after_an_agreed_no_batch_and_marks_every_iteration(
             agreement.finish(round_of(LockstepVerdict.WAIT))
         scale_progress.progress_membership_when_idle(SimpleNamespace(batch_to_run=batch), sched)
 
+    # Mooncake cleared rank 1 in the mask while every rank idled: the idle step copies the
+    # mask to the host before the report reads it (upstream copies it after a forward only).
+    step.state.active_ranks = torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+    step.state.sync_active_to_cpu = lambda: (
+        calls.append("sync"), step.state.active_ranks_cpu.copy_(step.state.active_ranks))
     iteration(object(), gathered=True)
     assert calls == [] and agreement.iteration_gathered
     iteration(None, gathered=True)
-    assert calls == ["step", "report"]
+    assert calls == ["step", "sync", "report"]
+    assert step.state.active_ranks_cpu.tolist() == [1, 0, 0, 0]
     calls.clear()
     step.state.active_ranks = torch.ones(4, dtype=torch.int32, device="meta")
+    step.state.sync_active_to_cpu = lambda: calls.append("sync")  # meta holds no values
     iteration(None, gathered=False)
     # No gather this iteration, on any device: the step runs and agrees by the host all-reduce.
-    assert calls == ["step", "report"] and not agreement.iteration_gathered
+    assert calls == ["step", "sync", "report"] and not agreement.iteration_gathered
 
 
 def test_a_failure_seen_after_the_gather_skips_upstreams_step_until_the_next_gather(
