@@ -76,8 +76,6 @@ class ScaleVerdict:
     reason: RejectionReason | None = None
     # A removal below the tail: the ranks leave holes, and no expert moves.
     leaves_holes: bool = False
-    # ... of live ranks: their shards drain, then the schedulers release them (it runs).
-    drains: bool = False
     # A scale-up into removed ranks' holes: their relaunches rejoin in place.
     refills_holes: bool = False
 
@@ -96,10 +94,10 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
                     attn_replica_size: int = 1, min_size: int = 1, ranks_per_node: int = 1,
                     hints: bool = True) -> int | ScaleVerdict:
     """``remove_ranks`` as the size it leaves (the tail of ``current_size``), or as an
-    accepted removal of launch-time ranks below the tail (``leaves_holes``; ``drains`` when
-    they are live), or why it cannot be done. A removed launch-time rank leaves a hole that a
-    relaunch with ``--elastic-ep-join-mode recover`` refills later (any launch-time rank can
-    rejoin in place); a scale-joined rank has no such way back and leaves from the tail only.
+    accepted removal of launch-time ranks below the tail (``leaves_holes``), or why it
+    cannot be done. A removed launch-time rank leaves a hole that a relaunch with
+    ``--elastic-ep-join-mode recover`` refills later (any launch-time rank can rejoin in
+    place); a scale-joined rank has no such way back and leaves from the tail only.
     Launch-time ranks are those below ``launch_size`` that no scale joiner holds now
     (``joined``: a launch-time slot a shrink released and a scale-up refilled). Failed ranks
     are removed together (nothing runs); live ones only while no rank has failed and no hole
@@ -223,7 +221,7 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     if live:
         return ScaleVerdict(
             ok=True, status=int(HTTPStatus.OK), direction=ScaleDirection.DOWN,
-            leaving_ranks=tuple(named), leaves_holes=True, drains=True,
+            leaving_ranks=tuple(named), leaves_holes=True,
             message=(f"Removing ranks {_ranks(named)} where they are: their shards drain, then "
                      f"they leave and the cluster serves on {current_size - len(named)} ranks; "
                      "relaunch them with --elastic-ep-join-mode recover to refill their slots"),

@@ -116,10 +116,9 @@ def release_removed_ranks(runner: Any, ranks: Sequence[int],
             if mask is not None:
                 mask[local] = 0
     # A relaunch is then taken back on a pass every survivor agreed on (launch_recovery's
-    # RECOVER step), not by upstream's own recovery, which each survivor enters when its own
-    # poll sees the replacement: with two survivors one entered the take-back's group
-    # broadcast while the other ran its next DP gather, and both hung (a 3-node cluster never
-    # scaled before the removal).
+    # RECOVER step). Upstream's own recovery lets each survivor enter the take-back's group
+    # collectives when its own poll sees the replacement, so two survivors can be on
+    # different passes.
     state.has_scaled = True
     leaving = rank in removed
     enter_phase(Phase.RELEASED if leaving else Phase.SERVING_CONTRACTED)

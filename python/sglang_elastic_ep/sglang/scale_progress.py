@@ -82,8 +82,8 @@ def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwarg
         return
     runner.maybe_join_ep_ranks()
     # Upstream copies Mooncake's mask to the host (what the report below reads) only after a
-    # forward pass, so an idle rank reported the mask from before a peer died, and requests
-    # the DP router kept sending to the dead shard waited for good while the live ranks idled.
+    # forward pass: without this an idle rank reports a dead peer as alive, and the HTTP
+    # process keeps routing to its shard.
     if state.active_ranks is not None and state.active_ranks_cpu is not None:
         state.sync_active_to_cpu()
     # Upstream reports commits and active ranks to the tokenizer after a batch; do it here too.
