@@ -498,7 +498,10 @@ class LocalCluster:
             # Printed, so pytest shows it with the failure (CI keeps no log directory).
             for server in (self.primary, *self.followers.values(), *self.joiners):
                 if server is not None:
-                    print(f"===== {server.log_path.name}, less routine lines:\n"
+                    code = server.popen.poll()
+                    state = "alive" if code is None else f"exited with {code}"
+                    print(f"===== {server.log_path.name} (pid {server.pid}, {state}), less "
+                          f"routine lines:\n"
                           f"{server.log_events()}")
             print(self.dump_stacks(f"cluster torn down after {exc_type.__name__}"))
         self.stop()
