@@ -1,6 +1,6 @@
-"""A launch-time rank that failed after a scale rejoins in place (``sglang/launch_recovery``):
-which ranks the survivors wait for, and the exchange that picks the expert map's source and
-tells the replacement the size the survivors serve on."""
+"""A launch-time rank that failed, before or after a scale, rejoins in place
+(``sglang/launch_recovery``): which ranks the survivors wait for, and the exchange that picks
+the expert map's source and tells the replacement the size the survivors serve on."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ def survivor(mask: list[int], *, effective: int = 3, launch: int = 2, scaled: bo
                            has_scaled=scaled, pending_ep_size=pending)
 
 
-def test_survivors_wait_for_failed_launch_ranks_only_after_a_scale() -> None:
+def test_survivors_wait_for_failed_launch_ranks_before_and_after_a_scale() -> None:
     assert launch_recovery.ranks_to_rejoin(survivor([1, 0, 1, 0])) == (1,)
-    # before any scale upstream's own recovery runs; during a scale nothing is taken back
-    assert launch_recovery.ranks_to_rejoin(survivor([1, 0, 0, 0], effective=2,
-                                                    scaled=False)) == ()
+    # before any scale too (upstream's per-rank take-back is not agreed); during a scale
+    # nothing is taken back
+    assert launch_recovery.ranks_to_rejoin(survivor([1, 0, 1, 0], effective=3, launch=3,
+                                                    scaled=False)) == (1,)
     assert launch_recovery.ranks_to_rejoin(survivor([1, 0, 1, 0], pending=4)) == ()
     # a failed scale-joined tail is let go of instead (tail_recovery)
     assert launch_recovery.ranks_to_rejoin(survivor([1, 1, 0, 0])) == ()

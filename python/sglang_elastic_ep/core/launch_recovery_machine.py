@@ -1,11 +1,11 @@
-"""Taking back failed launch-time ranks after a scale, in place: a survivor's side and the
-replacement's.
+"""Taking back failed launch-time ranks in place, before or after a scale: a survivor's side
+and the replacement's.
 
 The survivor's side (:class:`LaunchRecoveryMachine`).
 Pure: the adapter (``sglang/launch_recovery.py``) builds one when the survivor first sees
-launch-time ranks failed (after a scale; before any, upstream's own recovery runs), shows it
-Mooncake's peer state of those ranks on each pass, and tells it when the agreed pass began the
-rejoin and how it ended. Phases (``core.phases.TRANSITIONS``)::
+launch-time ranks failed, shows it Mooncake's peer state of those ranks on each pass, and
+tells it when the agreed pass began the rejoin and how it ended. Phases
+(``core.phases.TRANSITIONS``)::
 
     SERVING_DEGRADED --agreed pass (every replacement in WORLD)--> REJOINING
     REJOINING --taken back--> SERVING_RECOVERED

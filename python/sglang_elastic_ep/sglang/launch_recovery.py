@@ -1,4 +1,5 @@
-"""Launch-time ranks that fail after a scale rejoin in place (upstream: ``recovery_unsupported``).
+"""Launch-time ranks that fail rejoin in place, after a scale too (upstream:
+``recovery_unsupported``), on one agreed pass.
 
 Upstream recovers a failed launch-time rank by rebuilding the launch-time world: its
 replacement registers in WORLD and in every launch-time group, and the survivors take it back
@@ -6,12 +7,15 @@ replacement registers in WORLD and in every launch-time group, and the survivors
 upstream refuses: WORLD has grown past the launch size, so the replacement's registration was
 rejected, and a scale-joined survivor has no launch-time group with the failed rank in it.
 
-Here the replacement registers for the largest WORLD so far (``world_registration``) and takes
-on the size the survivors serve on while it rejoins (``take_on_serving_size``). The survivors
-(launch-time and scale-joined alike) wait, serving, until every replacement is in Mooncake's
-WORLD, then run upstream's recovery steps together on one agreed pass
-(``StepKind.RECOVER`` in the gather): each survivor takes the replacement back into the groups
-it shares with it (WORLD only, for a scale-joined survivor). Each survivor's side runs as a
+Before any scale, upstream's survivors each take the replacement back on the pass they see
+it registered: with two survivors, one could enter the take-back's collectives while the
+other ran the next forward (the race a scale-up had). Here the replacement registers for the
+largest WORLD so far (``world_registration``) and takes on the size the survivors serve on
+while it rejoins (``take_on_serving_size``). The survivors (launch-time and scale-joined
+alike) wait, serving, until every replacement is in Mooncake's WORLD, then run upstream's
+recovery steps together on one agreed pass (``StepKind.RECOVER`` in the gather): each
+survivor takes the replacement back into the groups it shares with it (WORLD only, for a
+scale-joined survivor). Each survivor's side runs as a
 core machine (``core.launch_recovery_machine``), driven from here. No slot leaves the layout
 meanwhile: the failed rank's experts are served from their replicas.
 """
@@ -59,10 +63,11 @@ logger = get_logger(__name__)
 
 
 def ranks_to_rejoin(state: Any) -> tuple[int, ...]:
-    """The failed launch-time ranks this survivor waits for, after a scale (``()`` before any
-    scale, where upstream's own recovery runs, while a scale is pending, or when some failed
-    rank joined by scale-up)."""
-    if state.pending_ep_size is not None or not state.has_scaled:
+    """The failed launch-time ranks this survivor waits for (``()`` while a scale is pending,
+    or when some failed rank joined by scale-up). Before any scale too: upstream's own
+    recovery has each survivor take the replacement back on the pass it sees it registered:
+    with two survivors, on different passes."""
+    if state.pending_ep_size is not None:
         return ()
     return failed_launch_ranks(live_mask(state), int(state.effective_ep_size),
                                int(state.original_ep_size))
@@ -86,8 +91,8 @@ def launch_recovery_machine(state: Any, ranks: tuple[int, ...],
     machine = (LaunchRecoveryMachine(ranks, now) if machine is None
                else machine.following(ranks, now))
     if machine is not holder.machine:
-        logger.info("[elastic-ep] rank failure: launch-time ranks %s failed after a scale; "
-                    "serving on without them until their replacements are in WORLD (phase %s)",
+        logger.info("[elastic-ep] rank failure: launch-time ranks %s failed; serving on "
+                    "without them until their replacements are in WORLD (phase %s)",
                     list(ranks), machine.phase.value)
         holder.machine = machine
     return machine

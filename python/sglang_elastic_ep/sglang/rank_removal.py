@@ -115,10 +115,8 @@ def release_removed_ranks(runner: Any, ranks: Sequence[int],
             mask = getattr(group, name, None)
             if mask is not None:
                 mask[local] = 0
-    # A relaunch is then taken back on a pass every survivor agreed on (launch_recovery's
-    # RECOVER step). Upstream's own recovery lets each survivor enter the take-back's group
-    # collectives when its own poll sees the replacement, so two survivors can be on
-    # different passes.
+    # A membership change, as a tail release is (upstream's ``has_scaled``); a relaunch is
+    # taken back on a pass every survivor agreed on (launch_recovery's RECOVER step).
     state.has_scaled = True
     leaving = rank in removed
     enter_phase(Phase.RELEASED if leaving else Phase.SERVING_CONTRACTED)
