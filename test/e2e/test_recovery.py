@@ -16,14 +16,14 @@ operation commits. The steps are the phase plan
 
 The same cluster then goes on with a second plan from its step ``[0, 1, 2]``: node 1 and the scale
 joiner are killed together (``kill_a_node_and_its_joiner_together``) and both come back (one
-cluster for both saves a start-up and a scale-up of the suite's time). A second test, on three
-launch-time nodes, kills node 1 before any scale (two survivors take its relaunch back on one
-agreed pass), removes the live node 1 where it is and refills its hole with a relaunch, then
-shrinks the deployment below its launch size, kills and recovers a launch-time node at the
-smaller size, and refills the released launch slot with a joiner
-(``three_nodes_recover_remove_a_live_node_shrink_recover_refill``). A third, outside the
-default suite (``long``), kills two launch-time nodes at once after a scale-up and brings both back
-(``kill_two_launch_nodes_at_once``).
+cluster for both saves a start-up and a scale-up of the suite's time). A second test removes a
+live launch-time node of three where it is and refills its hole with a relaunch, then shrinks the
+deployment below its launch size, kills and recovers a launch-time node at the smaller size, and
+refills the released launch slot with a joiner
+(``remove_a_live_node_then_shrink_recover_and_refill``). Outside the default suite: two
+launch-time nodes killed at once after a scale-up, both brought back
+(``kill_two_launch_nodes_at_once``, ``long``), and a launch-time node killed before any scale
+with two survivors (``kill_a_launch_node_with_two_survivors``, ``known_race``).
 """
 
 from __future__ import annotations
@@ -218,34 +218,30 @@ def test_a_replacement_killed_as_it_is_taken_back_is_failed_and_relaunched(
 
 
 AFTER_A_LIVE_REMOVAL = (Path(__file__).parents[1] / "plans"
-                        / "three_nodes_recover_remove_a_live_node_shrink_recover_refill.json")
+                        / "remove_a_live_node_then_shrink_recover_and_refill.json")
 
 
 @pytest.mark.timeout(1500)
 def test_a_live_node_removed_where_it_is_then_a_launch_node_recovers_after_a_shrink(
         tiny_model: Path) -> None:
-    """The plan [[0, 1, 2], [0, -1, 2], [0, 1, 2], [0, 2], [0, 1, 2], [0, 1], [0, -1], [0, 1],
-    [0, 1, 2]] on three nodes, under load. Node 1 killed before any scale: ranks 0 and 2 serve
-    on and take its relaunch back on one agreed pass. ``remove_ranks: [1]`` with node 1
-    serving: its shard drains, every rank lets it go on one agreed pass and its server exits
-    0; the cluster serves on [0, 2], rank 1 safe to terminate and not failed; a scale-up to 3
-    and node 1's relaunch in recover mode refill the hole. Then the shrink releases
-    launch-time rank 2 (its server exits 0) and lowers the launch-group boundary to 2; node 1,
-    killed at 2 ranks, rejoins in place at 2 (its replacement reads the boundary from the
-    store); then a scale joiner refills slot 2."""
+    """The plan [[0, 1, 2], [0, 2], [0, 1, 2], [0, 1], [0, -1], [0, 1], [0, 1, 2]] on three
+    nodes, under load. ``remove_ranks: [1]`` with node 1 serving: its shard drains, every rank
+    lets it go on one agreed pass and its server exits 0; the cluster serves on [0, 2], rank 1
+    safe to terminate and not failed; a scale-up to 3 and node 1's relaunch in recover mode
+    refill the hole. Then the shrink releases launch-time rank 2 (its server exits 0) and
+    lowers the launch-group boundary to 2; node 1, killed at 2 ranks, rejoins in place at 2
+    (its replacement reads the boundary from the store); then a scale joiner refills slot 2."""
     steps = load_plan(AFTER_A_LIVE_REMOVAL)
     spec = plan_spec(tiny_model, steps)
     assert spec.nodes == 3
 
     def hole_then_refilled(step: Step, status: dict) -> None:
-        if step.index == 2:  # taken back before any scale, at the launch size
-            assert status["phase"] == "serving_recovered", status
-        if step.index == 3:  # removed where it was: a hole, not a failure
+        if step.index == 1:  # removed where it was: a hole, not a failure
             states = [r["state"] for r in status["ranks"][:3]]
             assert (status["effective_ep_size"], states) == \
                 (2, ["active", "safe_to_terminate", "active"]), status
             assert status["recent_operations"][0]["result"] == "succeeded", status
-        if step.index == 4:
+        if step.index == 2:
             assert status["effective_ep_size"] == 3, status
 
     with LocalCluster(spec) as cluster:
@@ -256,11 +252,6 @@ def test_a_live_node_removed_where_it_is_then_a_launch_node_recovers_after_a_shr
         joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
         assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
         primary_log = cluster.primary.log_path.read_text(errors="replace")
-        # Both survivors took node 1 back on an agreed pass twice at 3 ranks: after its crash
-        # before any scale (upstream's own recovery is not agreed), and into its hole.
-        node2_log = cluster.followers[2].log_path.read_text(errors="replace")
-        for rank, log in ((0, primary_log), (2, node2_log)):
-            assert log.count(f"rank {rank} takes back launch-time ranks [1] at 3 ranks") == 2
         assert "ranks [1] removed where they were: serving on [0, 2]" in primary_log
         assert "ranks [2] joined by scale-up (new slots)" in primary_log
         assert read_status(cluster.url)["effective_ep_size"] == 3
@@ -291,3 +282,34 @@ def test_two_launch_nodes_killed_at_once_after_a_scale_both_rejoin(tiny_model: P
             assert f"rank {node} rejoins at the size the survivors serve on: 4 ranks (launched " \
                 "at 3)" in log
         assert read_status(cluster.url)["effective_ep_size"] == 4
+
+
+BEFORE_ANY_SCALE = (Path(__file__).parents[1] / "plans"
+                    / "kill_a_launch_node_with_two_survivors.json")
+
+
+@pytest.mark.known_race(
+    "Mooncake's coordinator can take a healthy survivor out with the dead rank when only one "
+    "survivor's link report is in at the end of its window (docs/cpu-testbed.md, 'Mooncake "
+    "deactivated a healthy survivor'); about 5 minutes")
+@pytest.mark.timeout(1500)
+def test_a_launch_node_killed_before_any_scale_is_taken_back_by_both_survivors(
+        tiny_model: Path) -> None:
+    """The plan [[0, 1, 2], [0, -1, 2], [0, 1, 2]] on three nodes, under load: node 1 killed
+    before any scale, ranks 0 and 2 serve on, and both take its relaunch back on one agreed
+    pass (upstream's own recovery has each survivor enter on the pass it sees the
+    replacement)."""
+    steps = load_plan(BEFORE_ANY_SCALE)
+    spec = plan_spec(tiny_model, steps)
+    assert spec.nodes == 3
+
+    def recovered(step: Step, status: dict) -> None:
+        if step.kind == "recover":
+            assert status["phase"] == "serving_recovered", status
+
+    with LocalCluster(spec) as cluster:
+        run_plan(cluster, steps, after_step=recovered)
+        for rank, server in ((0, cluster.primary), (2, cluster.followers[2])):
+            log = server.log_path.read_text(errors="replace")
+            assert f"rank {rank} takes back launch-time ranks [1] at 3 ranks" in log
+            assert "launch-time ranks [1] rejoined: serving on 3 ranks again" in log
