@@ -15,9 +15,9 @@ while it rejoins (``take_on_serving_size``). The survivors (launch-time and scal
 alike) wait, serving, until every replacement is in Mooncake's WORLD, then run upstream's
 recovery steps together on one agreed pass (``StepKind.RECOVER`` in the gather): each
 survivor takes the replacement back into the groups it shares with it (WORLD only, for a
-scale-joined survivor). Each survivor's side runs as a
-core machine (``core.launch_recovery_machine``), driven from here. No slot leaves the layout
-meanwhile: the failed rank's experts are served from their replicas.
+scale-joined survivor). Each survivor's side runs as a core machine
+(``core.launch_recovery_machine``), driven from here. No slot leaves the layout meanwhile: the
+failed rank's experts are served from their replicas.
 """
 
 from __future__ import annotations
