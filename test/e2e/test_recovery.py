@@ -38,7 +38,7 @@ import pytest
 
 from sglang_elastic_ep_testbed.cluster import LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
-from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
+from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
 from sglang_elastic_ep_testbed.cluster.observe import (
     WebhookReceiver,
     log_since,
@@ -57,6 +57,7 @@ from sglang_elastic_ep_testbed.cluster.plans import (
     load_plan,
     plan_spec,
     run_plan,
+    steps_of,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
@@ -313,3 +314,27 @@ def test_a_launch_node_killed_before_any_scale_is_taken_back_by_both_survivors(
             log = server.log_path.read_text(errors="replace")
             assert f"rank {rank} takes back launch-time ranks [1] at 3 ranks" in log
             assert "launch-time ranks [1] rejoined: serving on 3 ranks again" in log
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_that_dies_while_every_rank_idles_is_reported(tiny_model: Path) -> None:
+    """Two nodes and no request running: node 1 is SIGKILLed while both ranks idle. No
+    forward pass runs to notice it; Mooncake evicts rank 1 from its groups, and rank 0's idle
+    iterations carry that to the status (rank 1 failed, ``serving_degraded``) instead of
+    leaving shard 1 in routing. Requests sent afterwards go to shard 0 and decode the
+    reference tokens."""
+    spec = plan_spec(tiny_model, steps_of([[0, 1], [0, -1]]))
+    assert spec.nodes == 2
+    with LocalCluster(spec) as cluster:
+        url = cluster.url
+        reference = greedy_reference(url)
+        cluster.kill_node(1)
+        current = wait_status(url, lambda s: s if s["ranks"][1]["state"] == "failed" else None,
+                              FAULT_SEEN_S, "rank 1 failed while every rank idled")
+        assert current["phase"] == "serving_degraded", current
+        with httpx.Client() as client:
+            after = {p: generate(client, url, p, 8) for p in DEFAULT_PROMPTS}
+        assert all(r.ok for r in after.values()), after
+        assert {p: r.output_ids for p, r in after.items()} == reference
+        log = cluster.primary.log_path.read_text(errors="replace")
+        assert "ranks [1] evicted by Mooncake while this rank idled" in log

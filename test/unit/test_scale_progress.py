@@ -238,17 +238,23 @@ def test_the_idle_step_runs_after_an_agreed_no_batch_and_marks_every_iteration(
             agreement.finish(round_of(LockstepVerdict.WAIT))
         scale_progress.progress_membership_when_idle(SimpleNamespace(batch_to_run=batch), sched)
 
-    # Mooncake cleared rank 1 in the mask while every rank idled: the idle step copies the
-    # mask to the host before the report reads it (upstream copies it after a forward only).
-    step.state.active_ranks = torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+    # Mooncake's launch-time group evicted rank 1 while every rank idled (no forward, so the
+    # dispatcher never cleared it in the state's mask): the idle step folds the group's drop
+    # into the state's mask and copies it to the host before the report reads it.
+    group = SimpleNamespace(ranks=[0, 1], active_ranks_cpu=torch.ones(2, dtype=torch.int32))
+    monkeypatch.setattr(scale_progress, "mooncake_groups", lambda: [group])
+    step.state.active_ranks = torch.tensor([1, 1, 0, 0], dtype=torch.int32)
     step.state.sync_active_to_cpu = lambda: (
         calls.append("sync"), step.state.active_ranks_cpu.copy_(step.state.active_ranks))
     iteration(object(), gathered=True)
     assert calls == [] and agreement.iteration_gathered
-    iteration(None, gathered=True)
+    iteration(None, gathered=True)  # the first read of the group's mask: nothing dropped yet
     assert calls == ["step", "sync", "report"]
+    group.active_ranks_cpu[1] = 0
+    iteration(None, gathered=True)
     assert step.state.active_ranks_cpu.tolist() == [1, 0, 0, 0]
     calls.clear()
+    monkeypatch.setattr(scale_progress, "mooncake_groups", lambda: [])
     step.state.active_ranks = torch.ones(4, dtype=torch.int32, device="meta")
     step.state.sync_active_to_cpu = lambda: calls.append("sync")  # meta holds no values
     iteration(None, gathered=False)
@@ -304,3 +310,25 @@ def test_a_failed_launch_rank_after_a_scale_waits_then_is_taken_back_on_the_agre
     step.agreement.fresh = round_of(LockstepVerdict.ENTER, StepKind.RECOVER, target=3)
     step.run()
     assert step.calls == ["skew reset", "take back [1]"]
+
+
+def test_only_a_drop_in_a_group_mask_clears_the_state_mask() -> None:
+    state = SimpleNamespace(active_ranks=torch.tensor([1, 1, 1, 0], dtype=torch.int32),
+                            active_ranks_cpu=torch.tensor([1, 1, 1, 0], dtype=torch.int32))
+    launch = SimpleNamespace(ranks=[0, 1], active_ranks_cpu=torch.tensor([1, 1], dtype=torch.int32))
+    world = SimpleNamespace(ranks=[0, 1, 2, 3],
+                            active_ranks_cpu=torch.tensor([1, 1, 1, 0], dtype=torch.int32))
+    groups = [launch, world]
+    assert scale_progress.fold_group_evictions(state, groups) == []  # first read: a baseline
+    # rank 3 rises late in WORLD's mask (a joiner's admission the bitmap lags): nothing changes
+    world.active_ranks_cpu[3] = 1
+    assert scale_progress.fold_group_evictions(state, groups) == []
+    # rank 2 dropped from WORLD and rank 1 from the launch-time group: both cleared, once
+    world.active_ranks_cpu[2] = 0
+    launch.active_ranks_cpu[1] = 0
+    assert scale_progress.fold_group_evictions(state, groups) == [1, 2]
+    assert state.active_ranks.tolist() == [1, 0, 0, 0]
+    assert scale_progress.fold_group_evictions(state, groups) == []
+    # a group without a Mooncake mask (gloo) is skipped
+    assert scale_progress.fold_group_evictions(
+        state, [SimpleNamespace(ranks=[0, 1], active_ranks_cpu=None)]) == []

@@ -18,6 +18,7 @@ from then on (a stall, or ``ValueError: 0 is not a valid ForwardMode``: docs/des
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_elastic_ep.core.agreement import LockstepVerdict, Proposal, StepKind, bitmask_ranks
@@ -43,7 +44,11 @@ from sglang_elastic_ep.sglang.scale_down import (
     finalize_scale_down,
 )
 from sglang_elastic_ep.sglang.scale_up import abort_pending_scale, scale_up_machine, settle
-from sglang_elastic_ep.sglang.upstream import elastic_state, lockstep_agreement_on
+from sglang_elastic_ep.sglang.upstream import (
+    attached_state,
+    elastic_state,
+    lockstep_agreement_on,
+)
 from sglang_elastic_ep.sglang.world_view import world_quiesce
 
 logger = get_logger(__name__)
@@ -81,13 +86,61 @@ def progress_membership_when_idle(plan: Any, scheduler: Any, *args: Any, **kwarg
     if runner is None:
         return
     runner.maybe_join_ep_ranks()
-    # Upstream copies Mooncake's mask to the host (what the report below reads) only after a
-    # forward pass: without this an idle rank reports a dead peer as alive, and the HTTP
-    # process keeps routing to its shard.
+    # The state's mask (what the report below reads) is written by the MoE dispatcher, in a
+    # forward pass, and copied to the host after one: an idle rank reported a dead peer as
+    # alive, and the HTTP process kept routing to its shard. Mooncake's process groups clear
+    # their own masks when they evict a rank, forward or not.
     if state.active_ranks is not None and state.active_ranks_cpu is not None:
+        evicted = fold_group_evictions(state, mooncake_groups())
+        if evicted:
+            logger.info("[elastic-ep] ranks %s evicted by Mooncake while this rank idled",
+                        evicted)
         state.sync_active_to_cpu()
     # Upstream reports commits and active ranks to the tokenizer after a batch; do it here too.
     scheduler._maybe_report_active_ranks()
+
+
+@dataclass
+class GroupMasksSeen:
+    """Each Mooncake group's mask as the last idle iteration read it (by group identity)."""
+
+    masks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+_GROUP_MASKS_ATTR = "_elastic_ep_group_masks_seen"
+
+
+def mooncake_groups() -> list[Any]:
+    """The groups whose masks Mooncake clears on an eviction that the state's mask can miss:
+    the launch-time TP group and WORLD."""
+    from sglang.srt.distributed.parallel_state import get_world_group
+    from sglang.srt.runtime_context import get_parallel
+
+    return [get_parallel().tp_group, get_world_group()]
+
+
+def fold_group_evictions(state: Any, groups: list[Any]) -> list[int]:
+    """Clear in the state's mask the ranks a group's mask dropped since the last call; the
+    global ranks cleared. Only a drop counts: a mask that rises late (Mooncake's bitmap lags a
+    scale-up or a take-back by seconds) or was already low when first read changes nothing."""
+    seen = attached_state(state, _GROUP_MASKS_ATTR, GroupMasksSeen)
+    mirror = mirror_of(state)
+    evicted: set[int] = set()
+    for group in groups:
+        mask, ranks = getattr(group, "active_ranks_cpu", None), getattr(group, "ranks", None)
+        if mask is None or not ranks:
+            continue
+        now = tuple(int(v) for v in mask.tolist()[:len(ranks)])
+        before = seen.masks.get(id(group))
+        seen.masks[id(group)] = now
+        if before is None or len(before) != len(now):
+            continue
+        evicted.update(rank for local, rank in enumerate(ranks)
+                       if before[local] and not now[local]
+                       and rank < mirror.size and mirror.is_active(rank))
+    for rank in sorted(evicted):
+        state.active_ranks[rank] = 0
+    return sorted(evicted)
 
 
 def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
