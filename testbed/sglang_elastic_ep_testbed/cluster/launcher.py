@@ -36,10 +36,12 @@ CLUSTER_TAG_ENV = "SGLANG_EEP_CLUSTER_TAG"
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-# Log lines every busy server writes many times a second; left out of failure reports.
+# Log lines every busy server writes many times a second, and the C++ frames torch prints
+# under each failed TCPStore connect; left out of failure reports.
 ROUTINE_LOG_LINE = re.compile(
     r'"(POST /generate|GET /elastic_ep/status|GET /metrics|GET /health)|Prefill batch|'
-    r"Decode batch|Ignore import error|is ignored: it is neither")
+    r"Decode batch|Ignore import error|is ignored: it is neither|^frame #\d+: |"
+    r"^Exception raised from ")
 DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
 
 # Settings every CPU server gets: the CPU engine, UCX on loopback for NIXL, unbuffered logs.
