@@ -135,9 +135,8 @@ def fold_group_evictions(state: Any, groups: list[Any]) -> list[int]:
         seen.masks[id(group)] = now
         if before is None or len(before) != len(now):
             continue
-        evicted.update(rank for local, rank in enumerate(ranks)
-                       if before[local] and not now[local]
-                       and rank < mirror.size and mirror.is_active(rank))
+        evicted.update(rank for rank, was, is_now in zip(ranks, before, now, strict=False)
+                       if was and not is_now and rank < mirror.size and mirror.is_active(rank))
     for rank in sorted(evicted):
         state.active_ranks[rank] = 0
     return sorted(evicted)
