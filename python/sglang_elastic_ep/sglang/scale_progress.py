@@ -111,12 +111,12 @@ _GROUP_MASKS_ATTR = "_elastic_ep_group_masks_seen"
 
 
 def mooncake_groups() -> list[Any]:
-    """The groups whose masks Mooncake clears on an eviction that the state's mask can miss:
-    the launch-time TP group and WORLD."""
-    from sglang.srt.distributed.parallel_state import get_world_group
-    from sglang.srt.runtime_context import get_parallel
+    """Every live parallel group, WORLD's among them (upstream's list, the one a removal
+    deactivates ranks in): Mooncake clears an evicted rank in each group's mask; a gloo
+    group's mask never drops."""
+    from sglang.srt.elastic_ep.elastic_ep import _iter_live_parallel_groups
 
-    return [get_parallel().tp_group, get_world_group()]
+    return list(_iter_live_parallel_groups())
 
 
 def fold_group_evictions(state: Any, groups: list[Any]) -> list[int]:

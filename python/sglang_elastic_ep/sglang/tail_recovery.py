@@ -86,10 +86,12 @@ def tail_recovery_state(state: Any) -> TailRecoveryState:
 def live_mask(state: Any) -> list[int]:
     """1 for each EP slot that is active by both the device mask (through its host mirror) and
     upstream's host copy, else 0."""
-    # Mooncake clears a rank in active_ranks when it stops answering; the host copy lags until
-    # the next sync. Either one marks the rank failed (upstream's recovery reads both the same
-    # way). active_ranks is read through its host mirror: on a GPU the mirror folds in an
-    # asynchronous copy (a pass or two late) instead of waiting for the device.
+    # The MoE dispatcher (Mooncake EP's or NIXL's) clears a rank in active_ranks when it stops
+    # answering a forward, and an idle rank folds in Mooncake's group evictions
+    # (scale_progress.fold_group_evictions); the host copy lags until the next sync. Either
+    # one marks the rank failed (upstream's recovery reads both the same way). active_ranks
+    # is read through its host mirror: on a GPU the mirror folds in an asynchronous copy (a
+    # pass or two late) instead of waiting for the device.
     mirror = mirror_of(state)
     mirror.poll_refresh()
     mirror.refresh_async()
@@ -314,11 +316,11 @@ def gather_masks_expanded_world(
     """Upstream's ``dp_attn.MLPSyncBatchInfo.all_gather`` with WORLD's mask (called by its hook,
     ``gather_agreement.gather_with_agreement``): upstream blanks the rows of inactive
     ranks with the launch-time TP group's mask, which has no entry for a rank that joined by
-    scale-up. Over the expanded WORLD (``use_all_reduce``) the mask is WORLD's own
-    (``ElasticEPState.active_ranks``, which Mooncake clears when a rank dies). Seen without it:
-    a joiner killed during the gather left a garbage token count in its row, and a survivor
-    died building an idle batch of 32622 tokens. A peer that dies before Mooncake clears its
-    mask entry can still leave garbage: ``gather_repair`` asks the all-reduce whether it
+    scale-up. Over the expanded WORLD (``use_all_reduce``) the mask is the one with every
+    slot, ``ElasticEPState.active_ranks`` (the MoE dispatcher clears a rank that dies). Seen
+    without it: a joiner killed during the gather left a garbage token count in its row, and a
+    survivor died building an idle batch of 32622 tokens. A peer that dies before its mask
+    entry is cleared can still leave garbage: ``gather_repair`` asks the all-reduce whether it
     completed with every peer and checks the rows after every gather of an elastic server
     (``checked_rows``: each row ends with its ``gather_repair.row_check``)."""
     elastic = state_manager().instance()
