@@ -11,6 +11,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
 start=$(date +%s)
+DIGEST=.cluster/failure-digest.txt  # written by failed cluster scenarios (LocalCluster)
+rm -f "$DIGEST"
 .venv/bin/ruff check python test benchmark sgl-kernel testbed
 PYTEST=(.venv/bin/python -m pytest -q -rs -p no:cacheprovider --timeout=1800 --durations=15)
 if [[ $# -eq 0 ]]; then
@@ -19,9 +21,17 @@ if [[ $# -eq 0 ]]; then
 fi
 export SGLANG_USE_CPU_ENGINE=1  # in-process SGLang imports need the CPU shims at startup
 .venv/bin/python -m sglang_elastic_ep_testbed.tiny_model >/dev/null
+rc=0
 if [[ $# -eq 0 ]]; then
-  "${PYTEST[@]}" test/e2e test/gpu test/integration  # the order `pytest test` runs them in
+  "${PYTEST[@]}" test/e2e test/gpu test/integration || rc=$?  # the order `pytest test` runs them
 else
-  "${PYTEST[@]}" "$@"
+  "${PYTEST[@]}" "$@" || rc=$?
 fi
 echo "test suite: $(( $(date +%s) - start )) s"
+if [[ -s "$DIGEST" ]]; then
+  # Last, where a truncated CI log still shows it: what each server of a failed scenario was
+  # doing (the full report is printed with the failure above).
+  echo "===== failed cluster scenarios, last lines of each server ($DIGEST):"
+  cat "$DIGEST"
+fi
+exit "$rc"

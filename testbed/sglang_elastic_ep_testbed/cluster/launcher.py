@@ -43,6 +43,20 @@ ROUTINE_LOG_LINE = re.compile(
     r"Decode batch|Ignore import error|is ignored: it is neither|^frame #\d+: |"
     r"^Exception raised from ")
 DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
+# A few lines per server of each failed scenario, which scripts/test.sh prints last: CI keeps
+# only the head and the tail of the suite's output, and the full report sits in its middle.
+FAILURE_DIGEST = REPO_ROOT / ".cluster" / "failure-digest.txt"
+# What a digest keeps of a server's log: this plugin's lines (its NIXL connects left out),
+# Mooncake's evictions, errors.
+DIGEST_LOG_LINE = re.compile(r"\[elastic-ep\]|auto_deactivate group|Error|error:|Traceback")
+# Shortened in a digest: SGLang's date and parallel ranks before a line (time and DP rank
+# kept), glog's prefix (time kept), and the group of a Mooncake eviction (it evicts a rank
+# from each group in turn: one line is kept).
+DIGEST_SHORTEN = (
+    (re.compile(r"^\[\d{4}-\d\d-\d\d (\d\d:\d\d:\d\d)( DP\d+)[^\]]*\] "), r"\1\2 "),
+    (re.compile(r"^[IWEF]\d{4} (\d\d:\d\d:\d\d)\.\d+ +\d+ \S+\] "), r"\1 "),
+    (re.compile(r"auto_deactivate group=\S+ "), "auto_deactivate "),
+)
 
 # Settings every CPU server gets: the CPU engine, UCX on loopback for NIXL, unbuffered logs.
 CPU_ENV = {
@@ -203,6 +217,27 @@ class ServerProcess:
             return ""
         kept = [line[:400] for line in text if not ROUTINE_LOG_LINE.search(line)]
         return "\n".join(kept[-lines:])
+
+    def digest(self, lines: int = 4) -> str:
+        """One line on the process (alive, or its exit code) and its last ``lines`` plugin,
+        eviction and error lines, each cut short: what the failure digest shows of it."""
+        code = self.popen.poll()
+        state = "alive" if code is None else f"exited with {code}"
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            text = []
+        kept: list[str] = []
+        for line in text:
+            if (not DIGEST_LOG_LINE.search(line) or ROUTINE_LOG_LINE.search(line)
+                    or "[elastic-ep][nixl]" in line):
+                continue
+            for pattern, replacement in DIGEST_SHORTEN:
+                line = pattern.sub(replacement, line)
+            if not kept or kept[-1] != line[:180]:
+                kept.append(line[:180])
+        return "\n".join([f"{self.name} (pid {self.pid}): {state}",
+                          *(f"  {line}" for line in kept[-lines:])])
 
     def wait_ready(self, timeout_s: float, path: str = "/health_generate") -> None:
         """Return once ``path`` answers 200. Raises RuntimeError as soon as the process exits
@@ -506,4 +541,15 @@ class LocalCluster:
                           f"routine lines:\n"
                           f"{server.log_events()}")
             print(self.dump_stacks(f"cluster torn down after {exc_type.__name__}"))
+            self.write_failure_digest(exc_type)
         self.stop()
+
+    def write_failure_digest(self, exc_type: type[BaseException]) -> None:
+        """Append this cluster's digest to ``FAILURE_DIGEST`` (see there)."""
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        servers = [s for s in (self.primary, *self.followers.values(), *self.joiners)
+                   if s is not None]
+        FAILURE_DIGEST.parent.mkdir(parents=True, exist_ok=True)
+        with FAILURE_DIGEST.open("a") as out:
+            out.write(f"== {test}: {exc_type.__name__}\n")
+            out.write("".join(server.digest() + "\n" for server in servers))
