@@ -1,0 +1,43 @@
+"""The failure digest (cluster/launcher.py): the few lines per server that scripts/test.sh
+prints last when a cluster scenario fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
+
+LOG = """\
+[2026-11-27 22:34:19 DP0 TP0 EP0] Prefill batch, #new-seq: 1
+[2026-11-27 22:34:20 DP0 TP0 EP0] [elastic-ep][nixl] rank 0: connect [1] -> connected EP size 2
+[2026-11-27 22:34:21 DP0 TP0 EP0] [elastic-ep] rank failure: launch-time ranks [1] failed
+I1127 22:34:31.388181 23092 coordinator.cpp:888] [COORD] auto_deactivate group=mooncake_pg_2 rank=2
+I1127 22:34:31.388190 23092 coordinator.cpp:888] [COORD] auto_deactivate group=mooncake_pg_3 rank=2
+[2026-11-27 22:34:32 DP0 TP0 EP0] Decode batch, #running-req: 2
+RuntimeError: mooncakePgBroadcast failed: invalid state: rank is not active in this group
+"""
+
+
+def server_with_log(tmp_path: Path, code: str) -> ServerProcess:
+    """A ServerProcess over a finished child (exit code from ``code``) and the log above."""
+    server = ServerProcess.__new__(ServerProcess)
+    server.name, server.log_path = "joiner-scale-r2", tmp_path / "joiner.log"
+    server.log_path.write_text(LOG)
+    server.popen = subprocess.Popen([sys.executable, "-c", code])
+    server.popen.wait()
+    server.pid = server.popen.pid
+    return server
+
+
+def test_a_digest_keeps_the_exit_code_and_the_last_telling_lines_shortened(
+        tmp_path: Path) -> None:
+    digest = server_with_log(tmp_path, "raise SystemExit(3)").digest(lines=3).splitlines()
+    assert digest[0].endswith(": exited with 3"), digest
+    assert digest[1:] == [
+        "  22:34:21 DP0 [elastic-ep] rank failure: launch-time ranks [1] failed",
+        "  22:34:31 [COORD] auto_deactivate rank=2",  # one line for the eviction's groups
+        "  RuntimeError: mooncakePgBroadcast failed: invalid state: rank is not active in this "
+        "group",
+    ]
