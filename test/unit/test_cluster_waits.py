@@ -13,7 +13,11 @@ import pytest
 
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import LoadClient, RequestResult
-from sglang_elastic_ep_testbed.cluster.observe import WebhookReceiver, wait_each_shard_serves
+from sglang_elastic_ep_testbed.cluster.observe import (
+    WebhookReceiver,
+    status,
+    wait_each_shard_serves,
+)
 from sglang_elastic_ep_testbed.cluster.procs import free_port, kill_tree
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
@@ -120,3 +124,24 @@ def test_webhook_receiver_drops_a_redelivered_event_as_receivers_are_told_to() -
         got = hook.wait_for(lambda got: len(got) == 3, 60)
         assert [(e["instance_id"], e["event_id"]) for e in got] == [("a", 4), ("b", 4), ("a", 5)]
         assert hook.duplicates == 1
+
+
+def test_a_status_poll_tries_a_dropped_connection_again_and_gives_up_on_a_gone_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    answers: list[Exception | dict] = [httpx.ReadError("reset"), {"phase": "idle"}]
+    calls: list[str] = []
+
+    def get(url: str, timeout: float) -> httpx.Response:
+        calls.append(url)
+        answer = answers.pop(0) if answers else httpx.ConnectError("refused")
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(200, json=answer)
+
+    monkeypatch.setattr(httpx, "get", get)
+    monkeypatch.setattr(status.retry, "sleep", lambda _: None)  # type: ignore[attr-defined]
+    assert status("http://127.0.0.1:1") == {"phase": "idle"}
+    assert calls == ["http://127.0.0.1:1/elastic_ep/status"] * 2
+    with pytest.raises(httpx.ConnectError):
+        status("http://127.0.0.1:1")
+    assert len(calls) == 5  # three tries for the server that went away

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from sglang_elastic_ep_testbed.cluster.load import LoadClient
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
@@ -19,7 +20,12 @@ from sglang_elastic_ep_testbed.cluster.waits import wait_until
 T = TypeVar("T")
 
 
+@retry(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(3),
+       wait=wait_fixed(1.0), reraise=True)
 def status(url: str) -> dict:
+    """``GET /elastic_ep/status``. A connection the server dropped is tried again twice, as an
+    orchestrator's poll would be: a reset on one poll is not a lost server (a server that went
+    away fails all three, and the error is raised)."""
     return httpx.get(url + "/elastic_ep/status", timeout=30).json()
 
 
