@@ -223,6 +223,33 @@ def test_the_gather_hook_leaves_a_round_for_this_pass_and_the_timings(
     assert widths == [UPSTREAM_WIDTH] and agreement.fresh is None
 
 
+def test_a_rank_mooncake_deactivated_says_so_and_the_error_goes_on(
+    ranks: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ranks(2)
+    monkeypatch.setattr(tail_recovery, "state_manager",
+                        lambda: SimpleNamespace(instance=lambda: None))
+    monkeypatch.setattr(gather_agreement.dist, "get_rank", lambda: 2)
+
+    def evicted(sync: Info, device: Any, group: Any, use_all_reduce: bool) -> None:
+        raise RuntimeError("mooncakePgBroadcast failed: invalid state: rank is not active in "
+                           "this group")
+
+    with pytest.raises(RuntimeError, match="rank is not active in this group"):
+        gather_agreement.gather_with_agreement(evicted, info(2), "cpu", None, False)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1 and "rank 2: Mooncake deactivated this rank" in said[0], said
+    assert "--ep-join-mode recover" in said[0]
+
+    def other_error(sync: Info, device: Any, group: Any, use_all_reduce: bool) -> None:
+        raise RuntimeError("mooncakePgBroadcast failed: timeout")
+
+    caplog.clear()
+    with pytest.raises(RuntimeError, match="timeout"):
+        gather_agreement.gather_with_agreement(other_error, info(2), "cpu", None, False)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_one_round_per_pass_a_second_step_repeats_it_and_old_rounds_expire() -> None:
     agreement = GatherAgreement()
     enter = gather_agreement.AgreedRound(

@@ -216,12 +216,35 @@ def bracket_mlp_sync(original: Any, local_batch: Any, *args: Any, **kwargs: Any)
         agreement.runner = None
 
 
+# What Mooncake raises in a collective of a rank it deactivated (its peers no longer count it).
+NOT_ACTIVE_IN_GROUP = "rank is not active in this group"
+
+
 def gather_with_agreement(
     original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool = False
 ) -> Any:
     """AROUND ``dp_attn.MLPSyncBatchInfo.all_gather``: this rank's proposal rides in its row
     (``append_agreement_columns``); after the gather every rank reads the verdict from the same
-    rows. The expanded-WORLD masking is ``tail_recovery.gather_masks_expanded_world``."""
+    rows. The expanded-WORLD masking is ``tail_recovery.gather_masks_expanded_world``.
+
+    A rank Mooncake deactivated while it was alive (its peers took it for failed) gets an
+    error from this gather; it is re-raised (the scheduler exits, as upstream's does) after a
+    line that says what happened and what to do, instead of Mooncake's message alone."""
+    try:
+        return _gather_with_agreement(original, info, device, group, use_all_reduce)
+    except RuntimeError as exc:
+        if NOT_ACTIVE_IN_GROUP in str(exc):
+            logger.error(
+                "[elastic-ep] rank %d: Mooncake deactivated this rank while it was serving "
+                "(its peers no longer count it; see docs/operations.md, 'Fault timing'). Its "
+                "scheduler exits and the status shows it failed: relaunch it with "
+                "--ep-join-mode recover to serve again", dist.get_rank())
+        raise
+
+
+def _gather_with_agreement(
+    original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool
+) -> Any:
     state = elastic_state()
     agreement = getattr(state, AGREEMENT_ATTR, None) if state is not None else None
     if agreement is None or agreement.runner is None:
