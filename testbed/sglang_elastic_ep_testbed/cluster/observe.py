@@ -20,12 +20,12 @@ from sglang_elastic_ep_testbed.cluster.waits import wait_until
 T = TypeVar("T")
 
 
-@retry(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(3),
-       wait=wait_fixed(1.0), reraise=True)
+@retry(retry=retry_if_exception_type((httpx.NetworkError, httpx.RemoteProtocolError)),
+       stop=stop_after_attempt(3), wait=wait_fixed(1.0), reraise=True)
 def status(url: str) -> dict:
     """``GET /elastic_ep/status``. A connection the server dropped is tried again twice, as an
     orchestrator's poll would be: a reset on one poll is not a lost server (a server that went
-    away fails all three, and the error is raised)."""
+    away fails all three, and the error is raised). A timeout is not tried again."""
     return httpx.get(url + "/elastic_ep/status", timeout=30).json()
 
 
