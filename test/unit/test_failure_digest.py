@@ -27,7 +27,7 @@ def server_with_log(tmp_path: Path, code: str) -> ServerProcess:
     server.log_path.write_text(LOG)
     server.popen = subprocess.Popen([sys.executable, "-c", code])
     server.popen.wait()
-    server.pid = server.popen.pid
+    server.pid, server.killed = server.popen.pid, False
     return server
 
 
@@ -41,3 +41,12 @@ def test_a_digest_keeps_the_exit_code_and_the_last_telling_lines_shortened(
         "  RuntimeError: mooncakePgBroadcast failed: invalid state: rank is not active in this "
         "group",
     ]
+
+
+def test_a_server_the_scenario_killed_says_so_instead_of_the_code_popen_reads(
+        tmp_path: Path) -> None:
+    server = server_with_log(tmp_path, "pass")
+    assert server.state() == "exited with 0"
+    server.killed = True  # what LocalCluster.kill_server sets before its SIGKILL
+    assert server.state() == "killed by the scenario"
+    assert server.digest().splitlines()[0].endswith(": killed by the scenario")

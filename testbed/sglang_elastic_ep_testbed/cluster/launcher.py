@@ -187,10 +187,19 @@ class ServerProcess:
             start_new_session=True,
         )
         self.pid = self.popen.pid
+        self.killed = False  # SIGKILLed by the scenario (LocalCluster.kill_server)
         _LIVE.add(self)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def state(self) -> str:
+        """"alive", "killed by the scenario", or the code it exited with. A killed server's
+        code is not its own: ``kill_tree`` reaps it, and ``Popen`` then reads 0."""
+        code = self.popen.poll()
+        if code is None:
+            return "alive"
+        return "killed by the scenario" if self.killed else f"exited with {code}"
 
     def wait_exit(self, timeout_s: float) -> int | None:
         """The exit code once the server exits by itself (a released rank); None on timeout."""
@@ -221,8 +230,6 @@ class ServerProcess:
     def digest(self, lines: int = 4) -> str:
         """One line on the process (alive, or its exit code) and its last ``lines`` plugin,
         eviction and error lines, each cut short: what the failure digest shows of it."""
-        code = self.popen.poll()
-        state = "alive" if code is None else f"exited with {code}"
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
         except FileNotFoundError:
@@ -236,7 +243,7 @@ class ServerProcess:
                 line = pattern.sub(replacement, line)
             if not kept or kept[-1] != line[:180]:
                 kept.append(line[:180])
-        return "\n".join([f"{self.name} (pid {self.pid}): {state}",
+        return "\n".join([f"{self.name} (pid {self.pid}): {self.state()}",
                           *(f"  {line}" for line in kept[-lines:])])
 
     def wait_ready(self, timeout_s: float, path: str = "/health_generate") -> None:
@@ -420,6 +427,7 @@ class LocalCluster:
     @staticmethod
     def kill_server(server: ServerProcess) -> int:
         """SIGKILL every process of one server (a follower node or a joiner); its pid."""
+        server.killed = True
         kill_tree(server.pid, hard=True)
         server.popen.wait(timeout=10)
         return server.pid
@@ -535,10 +543,8 @@ class LocalCluster:
             # Printed, so pytest shows it with the failure (CI keeps no log directory).
             for server in (self.primary, *self.followers.values(), *self.joiners):
                 if server is not None:
-                    code = server.popen.poll()
-                    state = "alive" if code is None else f"exited with {code}"
-                    print(f"===== {server.log_path.name} (pid {server.pid}, {state}), less "
-                          f"routine lines:\n"
+                    print(f"===== {server.log_path.name} (pid {server.pid}, "
+                          f"{server.state()}), less routine lines:\n"
                           f"{server.log_events()}")
             print(self.dump_stacks(f"cluster torn down after {exc_type.__name__}"))
             self.write_failure_digest(exc_type)
