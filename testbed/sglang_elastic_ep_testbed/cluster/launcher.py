@@ -228,8 +228,8 @@ class ServerProcess:
         return "\n".join(kept[-lines:])
 
     def digest(self, lines: int = 4) -> str:
-        """One line on the process (alive, or its exit code) and its last ``lines`` plugin,
-        eviction and error lines, each cut short: what the failure digest shows of it."""
+        """One line on the process (``state``) and its last ``lines`` plugin, eviction and
+        error lines, each cut short: what the failure digest shows of it."""
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
         except FileNotFoundError:
