@@ -208,11 +208,15 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_lines(self) -> list[str]:
+        """The server's log so far, one string per line ([] before it exists)."""
         try:
-            text = self.log_path.read_text(errors="replace").splitlines()
+            return self.log_path.read_text(errors="replace").splitlines()
         except FileNotFoundError:
-            return ""
+            return []
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_lines()
         # pip's noise about local index paths is not what a failing start needs to show
         text = [line for line in text if "is ignored: it is neither" not in line]
         return "\n".join(text[-lines:])
@@ -220,22 +224,14 @@ class ServerProcess:
     def log_events(self, lines: int = 60) -> str:
         """The last ``lines`` log lines that are not routine serving (request, batch and poll
         lines, import noise): what a failed scenario's report shows of each server."""
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return ""
-        kept = [line[:400] for line in text if not ROUTINE_LOG_LINE.search(line)]
+        kept = [line[:400] for line in self.log_lines() if not ROUTINE_LOG_LINE.search(line)]
         return "\n".join(kept[-lines:])
 
     def digest(self, lines: int = 4) -> str:
         """One line on the process (``state``) and its last ``lines`` plugin, eviction and
         error lines, each cut short: what the failure digest shows of it."""
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            text = []
         kept: list[str] = []
-        for line in text:
+        for line in self.log_lines():
             if (not DIGEST_LOG_LINE.search(line) or ROUTINE_LOG_LINE.search(line)
                     or "[elastic-ep][nixl]" in line):
                 continue
@@ -335,10 +331,14 @@ class LocalCluster:
         cluster._taken = set(taken_ports)
         return cluster
 
+    def servers(self) -> list[ServerProcess]:
+        """The primary, the follower nodes and the joiners started so far."""
+        return [s for s in (self.primary, *self.followers.values(), *self.joiners)
+                if s is not None]
+
     def server_pids(self) -> set[int]:
         """Leader pids of the servers this launcher started (it stops them itself)."""
-        servers = (self.primary, *self.followers.values(), *self.joiners)
-        return {s.pid for s in servers if s is not None}
+        return {s.pid for s in self.servers()}
 
     @property
     def taken_ports(self) -> frozenset[int]:
@@ -534,18 +534,15 @@ class LocalCluster:
         """Stacks of every live server's schedulers, DP controller and main process, appended
         to ``out`` (default ``stacks.txt`` in the log directory; see
         :func:`procs.dump_stacks`)."""
-        servers = [s for s in (self.primary, *self.followers.values(), *self.joiners)
-                   if s is not None and s.alive()]
+        servers = [s for s in self.servers() if s.alive()]
         return dump_stacks([s.pid for s in servers], out or self.spec.log_dir / "stacks.txt", tag)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is not None and exc_type is not KeyboardInterrupt:
             # Printed, so pytest shows it with the failure (CI keeps no log directory).
-            for server in (self.primary, *self.followers.values(), *self.joiners):
-                if server is not None:
-                    print(f"===== {server.log_path.name} (pid {server.pid}, "
-                          f"{server.state()}), less routine lines:\n"
-                          f"{server.log_events()}")
+            for server in self.servers():
+                print(f"===== {server.log_path.name} (pid {server.pid}, {server.state()}), "
+                      f"less routine lines:\n{server.log_events()}")
             print(self.dump_stacks(f"cluster torn down after {exc_type.__name__}"))
             self.write_failure_digest(exc_type)
         self.stop()
@@ -553,9 +550,7 @@ class LocalCluster:
     def write_failure_digest(self, exc_type: type[BaseException]) -> None:
         """Append this cluster's digest to ``FAILURE_DIGEST`` (see there)."""
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-        servers = [s for s in (self.primary, *self.followers.values(), *self.joiners)
-                   if s is not None]
         FAILURE_DIGEST.parent.mkdir(parents=True, exist_ok=True)
         with FAILURE_DIGEST.open("a") as out:
             out.write(f"== {test}: {exc_type.__name__}\n")
-            out.write("".join(server.digest() + "\n" for server in servers))
+            out.write("".join(server.digest() + "\n" for server in self.servers()))
