@@ -156,8 +156,9 @@ HOOKS: tuple[Hook, ...] = (
          "carry no proposal"),
     Hook(f"{S}distributed.parallel_state.init_distributed_environment",
          "sglang.world_registration:init_distributed_environment", "AROUND",
-         "Mooncake refuses a WORLD registration shorter than the longest rank order it reached:"
-         " after a shrink a scale joiner registers for that size, not its top slot + 1"),
+         "Mooncake reads its timeouts when WORLD registers, and refuses a registration shorter "
+         "than the longest rank order it reached: after a shrink a scale joiner registers for "
+         "that size, not its top slot + 1"),
     Hook(f"{S}model_executor.model_runner.ModelRunner._initialize_elastic_ep_joiner",
          "sglang.scale_up_joiner:prepare_then_join", "AROUND",
          "a joiner prepares (NIXL buffer, KV cache) before it registers, while the serving ranks "

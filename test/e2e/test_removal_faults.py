@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sglang_elastic_ep.sglang.args import FAULT_WINDOW_PAST_HEARTBEAT_S
 from sglang_elastic_ep_testbed.cluster import LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import LoadClient, greedy_reference, stream_on_shard
 from sglang_elastic_ep_testbed.cluster.observe import (
@@ -50,6 +51,7 @@ LOST_WITH_SHARD = "failed before it finished"
 def test_a_live_rank_killed_while_its_removal_drains(tiny_model: Path) -> None:
     spec = plan_spec(tiny_model, steps_of([[0, 1, 2], [0, 2], [0, 1, 2]]))
     assert spec.nodes == 3
+    spec.fault_window_s = FAULT_WINDOW_PAST_HEARTBEAT_S  # rank 1 dies below survivor 2
     with LocalCluster(spec) as cluster:
         url = cluster.url
         reference = greedy_reference(url)

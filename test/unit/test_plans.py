@@ -56,6 +56,18 @@ def test_a_plan_killing_a_launch_rank_gets_one_node_per_rank(tmp_path: Path) -> 
     assert plan_spec(tmp_path, steps_of([[0, 1], [0, 1, 2], [0, 1]])).nodes == 1
 
 
+@pytest.mark.parametrize(("plan", "window"), [
+    ([[0, 1], [0, -1]], 10.0),  # the one survivor is below the dead rank
+    ([[0, 1], [0, 1, 2], [0, 1, -2]], 10.0),  # the top rank dies: the tie goes its way
+    ([[0, 1], [0, 1, 2], [0, -1, -2]], 10.0),
+    ([[0, 1, 2], [0, -1, 2]], 35.0),  # rank 2's report alone would evict rank 2
+    ([[0, 1], [0, 1, 2], [0, -1, 2]], 35.0),
+])
+def test_a_plan_that_kills_a_rank_below_a_survivor_outwaits_mooncakes_heartbeat_timeout(
+        tmp_path: Path, plan: list[list[int]], window: float) -> None:
+    assert plan_spec(tmp_path, steps_of(plan)).fault_window_s == window
+
+
 @pytest.mark.parametrize(("launch", "redundant"), [([0, 1], "16"), ([0, 1, 2], "32")])
 def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
                                               redundant: str) -> None:

@@ -75,8 +75,10 @@ def _register(monkeypatch: pytest.MonkeyPatch, store: TCPStore, *, joiner: bool,
     """Run the hook around a stand-in for upstream: the WORLD size it registered for."""
     from sglang_elastic_ep.sglang import world_registration
 
-    monkeypatch.setattr(world_registration, "_is_mooncake_joiner", lambda backend: joiner)
+    monkeypatch.setattr(world_registration, "_mooncake_world", lambda backend: (True, joiner))
     seen: dict[str, int] = {}
+    monkeypatch.setattr(world_registration, "apply_timeouts",
+                        lambda: seen.setdefault("timeouts_before_world", "world_size" not in seen))
 
     def upstream(**kwargs: object) -> None:
         seen["world_size"] = int(kwargs["world_size"])  # type: ignore[call-overload]
@@ -84,6 +86,7 @@ def _register(monkeypatch: pytest.MonkeyPatch, store: TCPStore, *, joiner: bool,
     world_registration.init_distributed_environment(
         upstream, backend="mooncake", world_size=asked, rank=asked - 1,
         distributed_init_method=f"tcp://127.0.0.1:{store.port}")
+    assert seen["timeouts_before_world"] is True  # every Mooncake rank, before it registers
     return seen["world_size"]
 
 

@@ -16,6 +16,13 @@ from typing import Any
 ENV_COLLECTIVE_TIMEOUT = "SGLANG_EEP_COLLECTIVE_TIMEOUT_S"
 ENV_FAULT_WINDOW = "SGLANG_EEP_FAULT_WINDOW_S"
 
+# Mooncake's coordinator takes a rank whose agent sent no heartbeat for this long out of every
+# group (``kHeartbeatTimeout`` in its coordinator), whatever the link reports say.
+MOONCAKE_HEARTBEAT_TIMEOUT_S = 30.0
+# A fault window this long closes after that timeout has taken a dead process's rank out, so a
+# survivor whose report is the only one in cannot be evicted in its place.
+FAULT_WINDOW_PAST_HEARTBEAT_S = MOONCAKE_HEARTBEAT_TIMEOUT_S + 5.0
+
 # flag -> (dest on ServerArgs, default, type, help)
 EXTRA_FLAGS: dict[str, tuple[str, Any, type, str]] = {
     "--ep-join-mode": (
@@ -108,10 +115,12 @@ def from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace) -> None:
             if value <= 0:
                 raise ValueError(f"{env}: Mooncake timeouts must be positive seconds, got {value}")
             os.environ[env] = str(value)
-    short = fault_window_too_short(server_args.elastic_ep_collective_timeout,
-                                   server_args.elastic_ep_fault_window)
-    if short:
-        logging.getLogger(__name__).warning("[elastic-ep] %s", short)
+    largest = max(int(server_args.ep_size), declared_max_ep_size(server_args) or 0)
+    for short in (fault_window_too_short(server_args.elastic_ep_collective_timeout,
+                                         server_args.elastic_ep_fault_window),
+                  fault_window_within_heartbeat(server_args.elastic_ep_fault_window, largest)):
+        if short:
+            logging.getLogger(__name__).warning("[elastic-ep] %s", short)
     from sglang_elastic_ep.core.health import HealthConfig
 
     HealthConfig(  # bad thresholds are a startup error, not a failure in the HTTP process
@@ -222,6 +231,27 @@ def check_elastic_ep_args(original: Any, server_args: Any) -> Any:
     finally:
         declare_resolution(server_args, "sglang_elastic_ep.released_launch_slot",
                            elastic_ep_initial_size=launch)
+
+
+def fault_window_within_heartbeat(fault_window: float | None, largest_ep_size: int
+                                  ) -> str | None:
+    """Why the fault window given can cost a live rank at up to ``largest_ep_size`` ranks, or
+    None.
+
+    From three ranks on, a rank can die below a survivor. When that survivor's report is the
+    only one in as the window closes (the other survivor's collective waits on it), Mooncake
+    evicts the survivor in place of the dead rank. A window longer than Mooncake's heartbeat
+    timeout closes after that timeout took a dead process's rank out (docs/operations.md,
+    "Fault timing")."""
+    if (fault_window is None or largest_ep_size < 3
+            or fault_window > MOONCAKE_HEARTBEAT_TIMEOUT_S):
+        return None
+    return (f"--elastic-ep-fault-window {fault_window:g} is not above Mooncake's "
+            f"{MOONCAKE_HEARTBEAT_TIMEOUT_S:g} s heartbeat timeout, and this deployment reaches "
+            f"{largest_ep_size} ranks: when only a survivor above a dead rank has reported it as "
+            "the window closes, Mooncake evicts that survivor instead; use "
+            f"--elastic-ep-fault-window {FAULT_WINDOW_PAST_HEARTBEAT_S:g} (each death then "
+            "pauses serving about that long)")
 
 
 def fault_window_too_short(collective_timeout: float | None, fault_window: float | None

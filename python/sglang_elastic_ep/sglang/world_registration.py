@@ -24,6 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
+from sglang_elastic_ep.sglang.mooncake_timeouts import apply_timeouts
 from sglang_elastic_ep.sglang.operation_log import get_logger
 
 logger = get_logger(__name__)
@@ -113,22 +114,26 @@ def rendezvous_store(init_method: str, timeout_s: float = STORE_TIMEOUT_S
         return None
 
 
-def _is_mooncake_joiner(backend: str) -> bool:
+def _mooncake_world(backend: str) -> tuple[bool, bool]:
+    """(WORLD is a Mooncake group, this process is a joiner)."""
     from sglang.srt.runtime_context import get_exec
 
     moe = get_exec().moe
-    return bool(moe.elastic_ep_backend == "mooncake" and moe.is_ep_joiner
-                and backend.startswith("mooncake"))
+    mooncake = moe.elastic_ep_backend == "mooncake" and backend.startswith("mooncake")
+    return mooncake, bool(mooncake and moe.is_ep_joiner)
 
 
 def init_distributed_environment(original: Callable[..., Any], *args: Any, **kwargs: Any
                                  ) -> Any:
-    """AROUND ``parallel_state.init_distributed_environment``: a Mooncake joiner's WORLD size
-    (a scale joiner's, or a launch-time rank's replacement after a scale) becomes
-    ``max(its own, the largest so far)`` before WORLD registers."""
+    """AROUND ``parallel_state.init_distributed_environment``: Mooncake gets our timeouts, and
+    a Mooncake joiner's WORLD size (a scale joiner's, or a launch-time rank's replacement after
+    a scale) becomes ``max(its own, the largest so far)``, before WORLD registers."""
     backend = str(kwargs.get("backend", ""))
     init_method = kwargs.get("distributed_init_method")
-    if args or not init_method or not _is_mooncake_joiner(backend):
+    mooncake, joiner = _mooncake_world(backend)
+    if mooncake:
+        apply_timeouts()
+    if args or not init_method or not joiner:
         return original(*args, **kwargs)
     store = rendezvous_store(str(init_method))
     if store is None:  # registering at upstream's size still works while WORLD never shrank

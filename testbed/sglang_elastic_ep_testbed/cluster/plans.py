@@ -42,6 +42,7 @@ from typing import Literal
 
 import httpx
 
+from sglang_elastic_ep.sglang.args import FAULT_WINDOW_PAST_HEARTBEAT_S
 from sglang_elastic_ep_testbed.cluster.launcher import ClusterSpec, LocalCluster, ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import (
     LoadClient,
@@ -185,11 +186,16 @@ def plan_spec(tiny_model: Path, steps: Sequence[Step], max_ep_size: int = 4,
     kills_launch_rank = any(s.kind in ("kill", "remove") and min(s.ranks) < launch
                             for s in steps)
     redundant = DEFAULT_NUM_EXPERTS * (launch - 1)  # one slot per expert on every launch rank
-    return ClusterSpec(
+    spec = ClusterSpec(
         tiny_model, ep_size=launch, max_ep_size=max_ep_size, moe_a2a_backend="nixl",
         nodes=launch if kills_launch_rank else 1,
         extra_args=["--ep-num-redundant-experts", str(redundant), *extra_args],
     )
+    if any(s.kind == "kill" and min(s.ranks) < max(s.active) for s in steps):
+        # A survivor above the dead rank may be the only one to report it before the window
+        # closes, and Mooncake then evicts that survivor (docs/operations.md, "Fault timing").
+        spec.fault_window_s = FAULT_WINDOW_PAST_HEARTBEAT_S
+    return spec
 
 
 FAULT_SEEN_S = 90

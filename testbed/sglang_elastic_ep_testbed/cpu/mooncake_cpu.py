@@ -4,17 +4,13 @@ Upstream switches groups to Mooncake only for CUDA: ``_resolve_backend`` picks `
 ``cuda`` alone, ``init_distributed_environment`` builds its options with a CUDA tensor, and
 ``GroupCoordinator`` asks ``new_group`` for ``mooncake`` (the CUDA backend) for device groups.
 On CPU every group uses ``mooncake-cpu`` instead, with the same options, so membership calls
-(activate, deactivate, recover, join) work. Mooncake's collective timeout and fault window come
-from our flags (propagated to child processes through the environment).
+(activate, deactivate, recover, join) work.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
-
-from sglang_elastic_ep.sglang.args import ENV_COLLECTIVE_TIMEOUT, ENV_FAULT_WINDOW
 
 LOOPBACK = "127.0.0.1"
 
@@ -33,18 +29,12 @@ def resolve_backend(result: str, *args: Any, device: str, **kwargs: Any) -> str:
 
 
 def apply_process_settings() -> None:
-    """Mooncake's process-wide settings, applied before groups exist: our timeouts, and the
-    loopback address (otherwise its transfer engine and coordinator listen on, and peers
-    connect to, the machine's first LAN address: the CPU cluster stays on 127.0.0.1)."""
+    """Mooncake's loopback address, set before groups exist (otherwise its transfer engine and
+    coordinator listen on, and peers connect to, the machine's first LAN address: the CPU
+    cluster stays on 127.0.0.1). The product sets the timeouts, as on a GPU."""
     from mooncake import pg
 
     pg.set_host_ip(LOOPBACK)
-    timeout = os.environ.get(ENV_COLLECTIVE_TIMEOUT)
-    window = os.environ.get(ENV_FAULT_WINDOW)
-    if timeout:
-        pg.set_collective_timeout_us(int(float(timeout) * 1e6))
-    if window:
-        pg.set_fault_reconciliation_window_us(int(float(window) * 1e6))
 
 
 def world_options(world_size: int) -> Any:
