@@ -85,3 +85,21 @@ def test_torch_compat_adds_cpu_empty_cache(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_shims_are_modules() -> None:
     assert isinstance(sgl_kernel_ops._CpuKernelModule("x"), types.ModuleType)
+
+
+@pytest.mark.parametrize(("backend", "collective"), [("mooncake-cpu", "all_gather"),
+                                                     ("gloo", "upstream")])
+def test_the_dp_row_exchange_is_one_all_gather_on_mooncake_groups(
+        monkeypatch: pytest.MonkeyPatch, backend: str, collective: str) -> None:
+    import sglang.srt.distributed.utils as dist_utils
+    import torch.distributed as dist
+
+    from sglang_elastic_ep_testbed.cpu.collectives import exchange_sync_rows
+
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(dist_utils, "all_gather_single",
+                        lambda out, row, group: calls.append("all_gather"))
+    rows, row = torch.zeros(6), torch.ones(2)
+    exchange_sync_rows(lambda *args: calls.append("upstream"), rows, row, object())
+    assert calls == [collective]

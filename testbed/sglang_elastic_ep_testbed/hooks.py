@@ -49,6 +49,10 @@ HOOKS: tuple[Hook, ...] = (
               "cpu.collectives:reduce_scatterv", "AROUND",
               "upstream reduce_scatterv needs pynccl; on CPU all-reduce and keep this rank's "
               "slice"),
+    _cpu_hook(f"{S}managers.scheduler_components.dp_attn.exchange_sync_rows",
+              "cpu.collectives:exchange_sync_rows", "AROUND",
+              "upstream's CPU DP gather of 3+ ranks is a gather and a broadcast; on Mooncake one "
+              "all-gather, as on GPU, so a peer's death cannot split the survivors over two"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.init_idle_sleeper",
               "cpu.idle:install_idle_sleeper", "AFTER",
               "idle ranks poll 50 ms, not 1 s, and park Mooncake's spinning worker meanwhile"),

@@ -33,3 +33,21 @@ def reduce_scatterv(
         return mine.clone()
     output.copy_(mine)
     return output
+
+
+def exchange_sync_rows(original: Callable, global_flat: torch.Tensor, local_row: torch.Tensor,
+                       group: Any) -> None:
+    """AROUND ``dp_attn.exchange_sync_rows``: on a Mooncake group, one all-gather, as on a GPU.
+
+    Upstream exchanges CPU rows of more than two ranks as a gather to rank 0 and rank 0's
+    broadcast (fewer serial hops than gloo's ring). On Mooncake that is two collectives per
+    pass, and a peer's death can leave the survivors in different ones: a rank that has its
+    broadcast moves on to the next gather while the root still waits in the broadcast, and
+    the survivors then disagreed (one survivor evicted, or both stuck in the next gather)."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.utils import all_gather_single
+
+    if local_row.device.type == "cpu" and str(dist.get_backend(group)).startswith("mooncake"):
+        all_gather_single(global_flat, local_row, group=group)
+        return None
+    return original(global_flat, local_row, group)
