@@ -103,3 +103,19 @@ def test_the_dp_row_exchange_is_one_all_gather_on_mooncake_groups(
     rows, row = torch.zeros(6), torch.ones(2)
     exchange_sync_rows(lambda *args: calls.append("upstream"), rows, row, object())
     assert calls == [collective]
+
+
+@pytest.mark.parametrize(("window", "timeout_ms"), [(None, 30_000), ("10", 30_000),
+                                                   ("35", 50_000)])
+def test_the_cpu_nixl_buffer_waits_out_the_mooncake_fault_window(
+        monkeypatch: pytest.MonkeyPatch, window: str | None, timeout_ms: int) -> None:
+    """A survivor that reported a death sends nothing until the window closes: its peers must
+    not mask it before then."""
+    from sglang_elastic_ep.sglang.args import ENV_FAULT_WINDOW
+    from sglang_elastic_ep_testbed.nixl_cpu.transport import default_timeout_ms
+
+    if window is None:
+        monkeypatch.delenv(ENV_FAULT_WINDOW, raising=False)
+    else:
+        monkeypatch.setenv(ENV_FAULT_WINDOW, window)
+    assert default_timeout_ms() == timeout_ms

@@ -45,7 +45,7 @@ import torch
 
 from .connections import DEFAULT_CONNECT_TIMEOUT_S, RankConnections
 from .dispatch import DispatchHandle, EventOverlap, LowLatencyDispatch, RecvHook
-from .transport import DEFAULT_TIMEOUT_MS, make_nixl_agent
+from .transport import DEFAULT_TIMEOUT_MS, default_timeout_ms, make_nixl_agent
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
@@ -71,7 +71,8 @@ class Buffer(RankConnections, LowLatencyDispatch):
         rank: this rank's global EP rank.
         tcp_store_group: the TCPStore used to exchange agent metadata (may be set later with
             :meth:`set_tcp_store_group`).
-        timeout_ms: how long dispatch/combine/barrier wait for a peer before masking it.
+        timeout_ms: how long dispatch/combine/barrier wait for a peer before masking it
+            (default: ``default_timeout_ms()``).
         connect_timeout_s: how long ``connect_ranks`` waits for a peer (nixl_ep waits 300 s for
             the store key, then raises).
         agent_name: NIXL agent name (default: unique per process incarnation).
@@ -91,7 +92,7 @@ class Buffer(RankConnections, LowLatencyDispatch):
         group: Any = None,
         comm: Any = None,
         tcp_store_group: Any = None,
-        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        timeout_ms: int | None = None,
         *,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         agent_name: str | None = None,
@@ -109,7 +110,8 @@ class Buffer(RankConnections, LowLatencyDispatch):
         self.group = group
         self.comm = comm
         self.tcp_store_group = tcp_store_group
-        super().__init__(rank, timeout_ms, agent_name)
+        super().__init__(rank, default_timeout_ms() if timeout_ms is None else timeout_ms,
+                         agent_name)
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:

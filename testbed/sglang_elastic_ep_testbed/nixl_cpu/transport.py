@@ -20,12 +20,26 @@ from typing import Any
 
 import torch
 
+from sglang_elastic_ep.sglang.args import ENV_FAULT_WINDOW
+
 from ._env import configure_ucx_env
 from .layout import RegionLayout, rdma_size_hint
 
 logger = logging.getLogger(__name__)
 
+
+def default_timeout_ms() -> int:
+    """How long a wait for a peer lasts before the peer is masked: 30 s, or longer than the
+    Mooncake fault window the server was given (``--elastic-ep-fault-window``)."""
+    window = os.environ.get(ENV_FAULT_WINDOW)
+    outlast = int((float(window) + FAULT_WINDOW_MARGIN_S) * 1000) if window else 0
+    return max(DEFAULT_TIMEOUT_MS, outlast)
+
 DEFAULT_TIMEOUT_MS = 30_000
+# A survivor that reported a dead peer sits in Mooncake's post-failure sync until the fault
+# window closes, and sends nothing on this data plane meanwhile: its peers wait that long and
+# this much more before they mask it, or two survivors take each other for dead.
+FAULT_WINDOW_MARGIN_S = 15.0
 # Probe a silent peer (a tiny WRITE) after this long, then this often, so a dead process is
 # seen through NIXL's error long before the timeout.
 PROBE_AFTER_S = 0.02
