@@ -42,8 +42,9 @@ def exchange_sync_rows(original: Callable, global_flat: torch.Tensor, local_row:
     Upstream exchanges CPU rows of more than two ranks as a gather to rank 0 and rank 0's
     broadcast (fewer serial hops than gloo's ring). On Mooncake that is two collectives per
     pass, and a peer's death can leave the survivors in different ones: a rank that has its
-    broadcast moves on to the next gather while the root still waits in the broadcast, and
-    the survivors then disagreed (one survivor evicted, or both stuck in the next gather)."""
+    broadcast moves on to the next gather while the root still waits in the broadcast, and the
+    survivors then counted the pass's collectives differently (both waited in the next gather
+    for good)."""
     import torch.distributed as dist
     from sglang.srt.distributed.utils import all_gather_single
 

@@ -27,14 +27,6 @@ from .layout import RegionLayout, rdma_size_hint
 
 logger = logging.getLogger(__name__)
 
-
-def default_timeout_ms() -> int:
-    """How long a wait for a peer lasts before the peer is masked: 30 s, or longer than the
-    Mooncake fault window the server was given (``--elastic-ep-fault-window``)."""
-    window = os.environ.get(ENV_FAULT_WINDOW)
-    outlast = int((float(window) + FAULT_WINDOW_MARGIN_S) * 1000) if window else 0
-    return max(DEFAULT_TIMEOUT_MS, outlast)
-
 DEFAULT_TIMEOUT_MS = 30_000
 # A survivor that reported a dead peer sits in Mooncake's post-failure sync until the fault
 # window closes, and sends nothing on this data plane meanwhile: its peers wait that long and
@@ -46,6 +38,14 @@ PROBE_AFTER_S = 0.02
 PROBE_EVERY_S = 0.05
 MAX_INBOX_PER_AGENT = 64
 _TRACE = os.environ.get("SGLANG_EEP_NIXL_CPU_TRACE") == "1"  # print every write and notification
+
+
+def default_timeout_ms() -> int:
+    """How long a wait for a peer lasts before the peer is masked: 30 s, or longer than the
+    Mooncake fault window the server was given (``--elastic-ep-fault-window``)."""
+    window = os.environ.get(ENV_FAULT_WINDOW)
+    outlast = int((float(window) + FAULT_WINDOW_MARGIN_S) * 1000) if window else 0
+    return max(DEFAULT_TIMEOUT_MS, outlast)
 
 
 def _trace(fmt: str, *args: Any) -> None:
