@@ -39,7 +39,8 @@ EXTRA_FLAGS: dict[str, tuple[str, Any, type, str]] = {
     ),
     "--elastic-ep-fault-window": (
         "elastic_ep_fault_window", None, float,
-        "Mooncake fault-reconciliation window in seconds (Mooncake's default when unset)",
+        "Mooncake fault-reconciliation window in seconds (Mooncake's default when unset); from "
+        "three ranks on keep it above Mooncake's 30 s heartbeat timeout, e.g. 35",
     ),
     "--elastic-ep-slow-expert-threshold": (
         "elastic_ep_slow_expert_threshold", 3.0, float,
@@ -247,7 +248,7 @@ def fault_window_within_heartbeat(fault_window: float | None, largest_ep_size: i
             or fault_window > MOONCAKE_HEARTBEAT_TIMEOUT_S):
         return None
     return (f"--elastic-ep-fault-window {fault_window:g} is not above Mooncake's "
-            f"{MOONCAKE_HEARTBEAT_TIMEOUT_S:g} s heartbeat timeout, and this deployment reaches "
+            f"{MOONCAKE_HEARTBEAT_TIMEOUT_S:g} s heartbeat timeout, and this deployment can have "
             f"{largest_ep_size} ranks: when only a survivor above a dead rank has reported it as "
             "the window closes, Mooncake evicts that survivor instead; use "
             f"--elastic-ep-fault-window {FAULT_WINDOW_PAST_HEARTBEAT_S:g} (each death then "
