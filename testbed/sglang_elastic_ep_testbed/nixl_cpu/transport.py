@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from sglang_elastic_ep.sglang.args import ENV_FAULT_WINDOW
+from sglang_elastic_ep.sglang.mooncake_timeouts import timeouts_from_environment
 
 from ._env import configure_ucx_env
 from .layout import RegionLayout, rdma_size_hint
@@ -43,8 +43,8 @@ _TRACE = os.environ.get("SGLANG_EEP_NIXL_CPU_TRACE") == "1"  # print every write
 def default_timeout_ms() -> int:
     """How long a wait for a peer lasts before the peer is masked: 30 s, or longer than the
     Mooncake fault window the server was given (``--elastic-ep-fault-window``)."""
-    window = os.environ.get(ENV_FAULT_WINDOW)
-    outlast = int((float(window) + FAULT_WINDOW_MARGIN_S) * 1000) if window else 0
+    _, window = timeouts_from_environment()
+    outlast = int((window + FAULT_WINDOW_MARGIN_S) * 1000) if window is not None else 0
     return max(DEFAULT_TIMEOUT_MS, outlast)
 
 
