@@ -211,4 +211,12 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager._dispatch_to_scheduler",
          "sglang.tokenizer_hooks:route_to_live_shard", "BEFORE",
          "route round-robin in the tokenizer, which then knows the requests a dead shard held"),
+    Hook(f"{S}managers.data_parallel_controller.DataParallelController.__init__",
+         "sglang.server_exit:watch_schedulers", "AFTER",
+         "above node 0, a scheduler that crashed ends its DP controller with exit 1; upstream "
+         "joined the others and exited 0"),
+    Hook(f"{S}entrypoints.engine.Engine._launch_scheduler_processes",
+         "sglang.server_exit:exit_non_zero_after_a_crash", "AROUND",
+         "above node 0, a server whose ranks crashed exits 1 (upstream returned, exit 0), so an "
+         "orchestrator that restarts on failure relaunches it"),
 )

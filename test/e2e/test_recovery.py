@@ -230,8 +230,10 @@ def test_a_live_node_removed_where_it_is_then_a_launch_node_recovers_after_a_shr
     lets it go on one agreed pass and its server exits 0; the cluster serves on [0, 2], rank 1
     safe to terminate and not failed; a scale-up to 3 and node 1's relaunch in recover mode
     refill the hole. Then the shrink releases launch-time rank 2 (its server exits 0) and
-    lowers the launch-group boundary to 2; node 1, killed at 2 ranks, rejoins in place at 2
-    (its replacement reads the boundary from the store); then a scale joiner refills slot 2."""
+    lowers the launch-group boundary to 2. At 2 ranks node 1's scheduler alone is killed, as
+    the OOM killer would: its server must exit non-zero by itself (the runner checks), so that
+    an orchestrator relaunches it; it rejoins in place at 2 (its replacement reads the boundary
+    from the store); then a scale joiner refills slot 2."""
     steps = load_plan(AFTER_A_LIVE_REMOVAL)
     spec = plan_spec(tiny_model, steps)
     assert spec.nodes == 3
@@ -246,7 +248,7 @@ def test_a_live_node_removed_where_it_is_then_a_launch_node_recovers_after_a_shr
             assert status["effective_ep_size"] == 3, status
 
     with LocalCluster(spec) as cluster:
-        runner = run_plan(cluster, steps, after_step=hole_then_refilled)
+        runner = run_plan(cluster, steps, after_step=hole_then_refilled, kill="scheduler")
         node1_log = cluster.followers[1].log_path.read_text(errors="replace")
         assert "rank 1 rejoins at the size the survivors serve on: 2 ranks (launched at 3)" \
             in node1_log

@@ -88,7 +88,7 @@ def test_one_scale_down_state_per_elastic_ep_state() -> None:
     assert scale_down_state(SimpleNamespace()) is not down
 
 
-def test_a_server_is_stopped_only_when_every_one_of_its_ranks_leaves() -> None:
+def test_a_server_ends_only_when_every_one_of_its_ranks_leaves() -> None:
     from sglang_elastic_ep.sglang.tail_release import first_rank_of_server
 
     # A joiner at offset 2 (ranks 2..): its own server.

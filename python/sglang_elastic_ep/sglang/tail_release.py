@@ -6,18 +6,15 @@ A scale-down (``scale_down``) and letting go of a failed tail of scale-joined ra
 shrinks to the staying ranks' slots (each rank keeps its number of physical slots, so layouts
 stay valid), the tail becomes inactive, Mooncake deactivates it in WORLD, DP attention shrinks,
 and the NIXL data plane is told the new size (it disconnects at the next dispatch). A released
-rank then takes no further part in any collective: when every rank of its ``launch_server``
-tree leaves (a scale-up joiner, a node above 0), it stops that server, which exits 0; a rank
-whose server keeps other ranks (node 0's tree) ends its own scheduler process with exit 0.
+rank then takes no further part in any collective: its scheduler process exits 0, and when
+every rank of its ``launch_server`` tree left (a scale-up joiner, a node above 0), that server
+exits 0 with it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -185,20 +182,19 @@ def server_ranks() -> range:
 
 
 def leave(*, whole_server: bool) -> None:
-    """A released rank takes part in no collective again. When every rank of its server
-    leaves (``whole_server``: a scale-up joiner, a node above 0), the server is stopped with
-    SIGTERM and exits 0. Otherwise (node 0's tree, or a server that keeps some ranks) only this
-    scheduler process exits 0: SGLang's subprocess watchdog lets a child that exited 0 go, and
-    the exit frees the rank's device and its seat in Mooncake (which refuses a joiner for a
-    slot while the old process still answers), so a scale-up can refill the slot."""
+    """A released rank takes part in no collective again: its scheduler process exits 0. That
+    frees the rank's device and its seat in Mooncake (which refuses a joiner for a slot while the
+    old process still answers), so a scale-up can refill the slot. When every rank of its server
+    leaves (``whole_server``: a scale-up joiner, a node above 0), the server's DP controller and
+    then its main process end with exit 0 too, once all its schedulers have exited
+    (``server_exit`` tells this exit 0 from a crash). Otherwise (node 0's tree, or a server that
+    keeps some ranks) SGLang's subprocess watchdog lets a child that exited 0 go."""
     if whole_server:
-        parent = os.getppid()
-        logger.info("[elastic-ep] every rank of this server leaves: stopping it (pid %d)", parent)
-        threading.Timer(0.5, os.kill, (parent, signal.SIGTERM)).start()
-        while True:  # never return to the event loop (its next pass would run a collective)
-            time.sleep(3600)
-    logger.info("[elastic-ep] this server keeps other ranks: the released rank's scheduler "
-                "process exits 0 (pid %d)", os.getpid())
+        logger.info("[elastic-ep] every rank of this server leaves: its scheduler exits 0 "
+                    "(pid %d), and the server with it", os.getpid())
+    else:
+        logger.info("[elastic-ep] this server keeps other ranks: the released rank's scheduler "
+                    "process exits 0 (pid %d)", os.getpid())
     logging.shutdown()
     # No interpreter teardown: process-group destructors would talk to peers that no longer
     # count this rank.

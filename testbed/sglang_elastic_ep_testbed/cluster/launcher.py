@@ -432,6 +432,19 @@ class LocalCluster:
         server.popen.wait(timeout=10)
         return server.pid
 
+    @staticmethod
+    def crash_schedulers(server: ServerProcess, timeout_s: float) -> int | None:
+        """SIGKILL only the scheduler processes of one server (a follower node or a joiner), as
+        the OOM killer would, and wait for the server to end by itself: its exit code, None if it
+        still ran after ``timeout_s``."""
+        pids = server.scheduler_pids()
+        if not pids:
+            raise RuntimeError(f"{server.name} (pid {server.pid}) has no scheduler process")
+        server.killed = True
+        for pid in pids.values():
+            psutil.Process(pid).kill()
+        return server.wait_exit(timeout_s)
+
     def start_joiner(self, mode: str, rank_offset: int, size: int = 1,
                      env: Mapping[str, str] | None = None) -> ServerProcess:
         """Launch a joiner (``--ep-join-mode scale|recover``) for ranks [offset, offset+size),

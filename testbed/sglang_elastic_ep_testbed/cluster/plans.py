@@ -220,6 +220,9 @@ class PlanRunner:
     joiners: dict[int, ServerProcess] = field(default_factory=dict)  # rank -> its server
     kills: list[float] = field(default_factory=list)  # monotonic times of the kill steps
     on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None
+    # "server": a kill takes the rank's whole server (the machine died); "scheduler": only its
+    # scheduler process (the OOM killer), and the server must then exit non-zero by itself.
+    kill: Literal["server", "scheduler"] = "server"
 
     def run(self, from_step: int = 0) -> None:
         for step in self.steps[from_step + 1:]:
@@ -246,7 +249,15 @@ class PlanRunner:
     def _kill(self, step: Step) -> None:
         self.kills.append(time.monotonic())
         for rank in step.ranks:
-            self.cluster.kill_server(self._own_server(rank))
+            server = self._own_server(rank)
+            if self.kill == "server":
+                self.cluster.kill_server(server)
+                continue
+            code = self.cluster.crash_schedulers(server, FAULT_SEEN_S)
+            if code in (0, None):
+                raise AssertionError(f"rank {rank}'s server {server.name}, its scheduler "
+                                     f"killed, {'still runs' if code is None else 'exited 0'}: "
+                                     "an orchestrator would not relaunch it")
 
     def _recover(self, step: Step) -> None:
         launch = len(self.steps[0].active)
@@ -363,9 +374,11 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
              after_step: Callable[[Step, dict], None] | None = None,
              after: PlanRunner | None = None, from_step: int = 0,
              on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None,
-             ) -> PlanRunner:
+             kill: Literal["server", "scheduler"] = "server") -> PlanRunner:
     """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
     runner (its reference outputs, kills and joiners) for further checks.
+
+    ``kill``: how a kill step kills (:class:`PlanRunner`).
 
     ``after``, ``from_step``: go on where an earlier plan on this cluster (its runner) left
     off, which must be the state of ``steps[from_step]`` (checked): the steps after it run,
@@ -373,7 +386,8 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
     steps that only rebuild a state."""
     reference = after.reference if after is not None else greedy_reference(cluster.url)
     load = LoadClient(cluster.url, concurrency=concurrency, max_new_tokens=8).start()
-    runner = PlanRunner(cluster, steps, load, after_step, reference, on_relaunch=on_relaunch)
+    runner = PlanRunner(cluster, steps, load, after_step, reference, on_relaunch=on_relaunch,
+                        kill=kill)
     if after is not None:
         runner.joiners = after.joiners
     try:
