@@ -170,6 +170,30 @@ def test_a_relaunch_hook_sees_each_launch_time_replacement_before_the_wait_for_i
     assert done == [("start", 1, True), ("hook", 1, "node1"), ("wait", 1, "active")]
 
 
+@pytest.mark.parametrize(("exit_code", "accepted"), [(1, True), (0, False), (None, False)])
+def test_a_scheduler_only_kill_requires_the_server_to_exit_non_zero_by_itself(
+        exit_code: int | None, accepted: bool) -> None:
+    """``kill="scheduler"``: only the rank's scheduler is killed, and a server that then exits
+    0 (or keeps running) fails the step: an orchestrator would not relaunch it."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep_testbed.cluster.plans import PlanRunner
+
+    steps = steps_of([[0, 1], [0, -1], [0, 1]])
+    crashed: list[str] = []
+    cluster = SimpleNamespace(
+        followers={1: SimpleNamespace(name="node1")},
+        crash_schedulers=lambda server, timeout_s: crashed.append(server.name) or exit_code)
+    runner = PlanRunner(cluster=cluster, steps=steps, load=None,  # type: ignore[arg-type]
+                        kill="scheduler")
+    if accepted:
+        runner._kill(steps[1])
+    else:
+        with pytest.raises(AssertionError, match="would not relaunch it"):
+            runner._kill(steps[1])
+    assert crashed == ["node1"] and len(runner.kills) == 1
+
+
 def test_a_live_launch_rank_removed_below_the_tail_leaves_a_hole_a_recover_refills(
         tmp_path: Path) -> None:
     steps = steps_of([[0, 1, 2], [0, 2], [0, 1, 2]])
