@@ -57,3 +57,35 @@ def test_a_stall_names_the_step_each_rank_is_in_and_who_stopped_reporting() -> N
         "ranks [0] in step 'gather' for 40 s; ranks [1] in step 'forward' for 10 s; "
         "ranks [2] stopped reporting (process stopped or dead)")
     assert "--dist-init-addr" in describe_positions([])
+
+
+def test_ranks_taken_for_failed_are_logged_with_their_last_report(
+        store: TCPStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A survivor that takes ranks for failed logs where they last said they were: a fresh
+    report means a live rank stuck in that step, a missing one a rank that never reported."""
+    stuck = PassProgress(rank=0)
+    stuck.now_in("forward")
+    stuck.publish_forever(lambda: store, interval_s=0.05)
+    wait_until(lambda: len(read_reports(store, [0])) == 1, 10, "rank 0's report", poll_s=0.05)
+    survivor = PassProgress(rank=2)
+    survivor.publish_forever(lambda: store, interval_s=0.05)
+    with caplog.at_level("INFO"):
+        thread = survivor.log_last_reports([0, 1])
+        assert thread is not None
+        thread.join(10)
+    line = next(r.getMessage() for r in caplog.records if "took ranks [0, 1]" in r.getMessage())
+    assert "rank 0: in forward for" in line and "rank 1: none" in line, line
+
+
+def test_nothing_is_read_without_a_store_or_ranks() -> None:
+    assert PassProgress(rank=0).log_last_reports([1]) is None  # never published: no store
+    progress = PassProgress(rank=0, connect=lambda: None)
+    assert progress.log_last_reports([]) is None
+
+
+def test_a_report_reads_as_step_duration_and_age() -> None:
+    from sglang_elastic_ep.sglang.pass_progress import describe_reports
+
+    reports = [{"rank": 0, "step": "gather", "since": 70.0, "passes": 12, "at": 99.0}]
+    assert describe_reports(reports, [0, 3], now=100.0) == \
+        "rank 0: in gather for 30.0 s (pass 12), reported 1.0 s ago; rank 3: none"

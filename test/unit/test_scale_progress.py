@@ -332,3 +332,29 @@ def test_only_a_drop_in_a_group_mask_clears_the_state_mask() -> None:
     # a group without a Mooncake mask (gloo) is skipped
     assert scale_progress.fold_group_evictions(
         state, [SimpleNamespace(ranks=[0, 1], active_ranks_cpu=None)]) == []
+
+
+def test_a_rank_fault_logs_the_last_reports_of_the_ranks_it_takes_for_failed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without EPLB the survivor records the new mask itself; the ranks that went from active
+    to inactive on it are the ones whose last progress reports get logged."""
+    logged: list[list[int]] = []
+
+    class FakeState:
+        active_ranks_cpu = torch.tensor([1, 1, 1, 0])
+
+        def is_active_equal_last(self) -> bool:
+            return False
+
+        def snapshot_active_to_last(self) -> None:
+            pass
+
+        def sync_active_to_cpu(self) -> None:
+            self.active_ranks_cpu = torch.tensor([0, 1, 1, 0])
+
+    state = FakeState()
+    monkeypatch.setattr(scale_progress, "elastic_state", lambda: state)
+    monkeypatch.setattr(scale_progress, "pass_progress", lambda s: SimpleNamespace(
+        log_last_reports=lambda ranks: logged.append(list(ranks))))
+    assert scale_progress.rebalance_after_rank_fault(None, eplb_manager=None) is False
+    assert logged == [[0]]

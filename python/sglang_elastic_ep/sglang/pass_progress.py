@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ class PassProgress:
     since: float = field(default_factory=time.time)
     passes: int = 0
     publishing: bool = False
+    connect: Callable[[], KeyValueStore | None] | None = None  # the store it publishes into
 
     def now_in(self, step: str) -> None:
         if step != self.step:
@@ -63,6 +64,7 @@ class PassProgress:
         if self.publishing:
             return
         self.publishing = True
+        self.connect = connect
 
         def run() -> None:
             store: KeyValueStore | None = None
@@ -77,6 +79,31 @@ class PassProgress:
                 time.sleep(interval_s)
 
         threading.Thread(target=run, name="elastic-ep-pass-progress", daemon=True).start()
+
+    def log_last_reports(self, ranks: Sequence[int]) -> threading.Thread | None:
+        """Log, from a thread of its own (the store's host may be among ``ranks``), the last
+        report of each of ``ranks`` that this rank just took for failed. A fresh report says
+        that rank is alive and stuck in that step (a peer that stopped answering, not a dead
+        one); a stale or missing one, that it is gone."""
+        connect = self.connect
+        if connect is None or not ranks:
+            return None
+
+        def run() -> None:
+            try:
+                store = connect()
+                reports = [] if store is None else read_reports(store, ranks)
+            except Exception as exc:  # noqa: BLE001 - a diagnostic: say why, never raise
+                logger.info("[elastic-ep] rank %d: no progress report of ranks %s readable "
+                            "(%s)", self.rank, list(ranks), exc)
+                return
+            logger.info("[elastic-ep] rank %d took ranks %s for failed; their last progress "
+                        "reports: %s", self.rank, list(ranks),
+                        describe_reports(reports, ranks, time.time()))
+
+        thread = threading.Thread(target=run, name="elastic-ep-peer-reports", daemon=True)
+        thread.start()
+        return thread
 
 
 _ATTR = "_elastic_ep_pass_progress"
@@ -116,3 +143,18 @@ def read_reports(store: KeyValueStore, ranks: Iterable[int]) -> list[dict[str, A
         if store.check([key]):
             reports.append(json.loads(store.get(key).decode()))
     return reports
+
+
+def describe_reports(reports: Sequence[dict[str, Any]], ranks: Iterable[int],
+                     now: float) -> str:
+    """One phrase per rank: its step, for how long, and how old the report is."""
+    by_rank = {int(r["rank"]): r for r in reports}
+    parts = []
+    for rank in ranks:
+        report = by_rank.get(rank)
+        if report is None:
+            parts.append(f"rank {rank}: none")
+            continue
+        parts.append(f"rank {rank}: in {report['step']} for {now - report['since']:.1f} s "
+                     f"(pass {report['passes']}), reported {now - report['at']:.1f} s ago")
+    return "; ".join(parts)

@@ -156,8 +156,13 @@ def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
         return original(eplb_manager=eplb_manager)
     if state is None or state.is_active_equal_last():
         return False
+    before = _host_mask(state)
     state.snapshot_active_to_last()
     state.sync_active_to_cpu()
+    progress = pass_progress(state)
+    if progress is not None:  # where the ranks just taken for failed were, for the log
+        progress.log_last_reports([r for r, (was, now) in enumerate(
+            zip(before, _host_mask(state), strict=False)) if was and not now])
     if tail:
         logger.info("[elastic-ep] active ranks changed to %s: EPLB waits until the survivors let "
                     "go of the failed tail", state.active_ranks_cpu.tolist())
@@ -168,6 +173,11 @@ def rebalance_after_rank_fault(original: Any, *, eplb_manager: Any) -> bool:
         state.active_ranks_cpu.tolist(),
     )
     return False
+
+
+def _host_mask(state: Any) -> list[int]:
+    mask = getattr(state, "active_ranks_cpu", None)
+    return [] if mask is None else [int(v) for v in mask.tolist()]
 
 
 def agreed_join_step(original: Any, runner: Any) -> None:
