@@ -208,6 +208,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager.update_active_ranks",
          "sglang.tokenizer_hooks:mirror_active_ranks", "AFTER",
          "shard liveness -> rank_failed/rank_recovered; a dead shard's requests end with 503"),
+    Hook(f"{S}managers.scheduler.Scheduler._maybe_report_active_ranks",
+         "sglang.shard_liveness:report_from_rank_zero_only", "AROUND",
+         "only rank 0 reports shard liveness: survivors learn of a death on different passes, "
+         "and their reports alternating made the dead shard fail, recover and fail again"),
     Hook(f"{S}managers.tokenizer_manager.TokenizerManager._dispatch_to_scheduler",
          "sglang.tokenizer_hooks:route_to_live_shard", "BEFORE",
          "route round-robin in the tokenizer, which then knows the requests a dead shard held"),
