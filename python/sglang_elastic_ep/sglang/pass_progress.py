@@ -82,9 +82,10 @@ class PassProgress:
 
     def log_last_reports(self, ranks: Sequence[int]) -> threading.Thread | None:
         """Log, from a thread of its own (the store's host may be among ``ranks``), the last
-        report of each of ``ranks`` that this rank just took for failed. A fresh report says
-        that rank is alive and stuck in that step (a peer that stopped answering, not a dead
-        one); a stale or missing one, that it is gone."""
+        report of each of ``ranks`` that this rank just took for failed. A live rank publishes
+        every second: a report still fresh long after its step began says that rank is alive
+        and stuck in that step (a peer that stopped answering, not a dead one); a report about
+        as old as its step, that the rank stopped there."""
         connect = self.connect
         if connect is None or not ranks:
             return None
