@@ -3,8 +3,9 @@
 A plan is a JSON list of active-rank sets, the format of NIXL EP's elastic tests: the first is
 the launch set, each later one the set after one step, and a negative number is that rank
 killed with SIGKILL at that step (its whole server; with ``run_plan(kill="scheduler")`` only
-its scheduler process, and its server must then exit non-zero by itself). ``[[0, 1], [0, 1, 2], [0, 1, -2], [0, 1, 2], [0, 1]]`` grows
-to 3, kills the joiner, brings its replacement in, and shrinks back to 2.
+its scheduler process, and its server must then exit non-zero by itself).
+``[[0, 1], [0, 1, 2], [0, 1, -2], [0, 1, 2], [0, 1]]`` grows to 3, kills the joiner, brings its
+replacement in, and shrinks back to 2.
 
 Each step is one change, derived from the sets (:func:`steps_of`): ``kill`` (the negative
 ranks), ``recover`` (failed or removed ranks come back: relaunched with
