@@ -42,8 +42,11 @@ class PassProgress:
     step: str = "starting"
     since: float = field(default_factory=time.time)
     passes: int = 0
-    publishing: bool = False
-    connect: Callable[[], KeyValueStore | None] | None = None  # the store it publishes into
+    connect: Callable[[], KeyValueStore | None] | None = None  # set once it publishes
+
+    @property
+    def publishing(self) -> bool:
+        return self.connect is not None
 
     def now_in(self, step: str) -> None:
         if step != self.step:
@@ -63,7 +66,6 @@ class PassProgress:
         """Start the publisher thread (once)."""
         if self.publishing:
             return
-        self.publishing = True
         self.connect = connect
 
         def run() -> None:

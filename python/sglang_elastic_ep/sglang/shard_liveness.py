@@ -23,7 +23,7 @@ def report_from_rank_zero_only(original: Callable[..., None], scheduler: Any) ->
     """AROUND ``Scheduler._maybe_report_active_ranks``."""
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     if (not elastic_ep_enabled() or not getattr(scheduler, "attn_dp_enabled", False)
-            or runner is None or _global_rank(runner) == 0):
+            or runner is None or runner._elastic_global_rank() == 0):
         return original(scheduler)
     state = elastic_state()
     if state is None or state.active_ranks_cpu is None:
@@ -33,7 +33,3 @@ def report_from_rank_zero_only(original: Callable[..., None], scheduler: Any) ->
         scheduler.ipc_channels.send_to_tokenizer.send_output(pending)
         runner._pending_elastic_scale_update = None
     return None
-
-
-def _global_rank(runner: Any) -> int:
-    return int(runner._elastic_global_rank())

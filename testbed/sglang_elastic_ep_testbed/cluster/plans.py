@@ -61,6 +61,9 @@ from sglang_elastic_ep_testbed.cluster.observe import (
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_NUM_EXPERTS
 
 StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "remove", "stay"]
+# "server": a kill takes the rank's whole server (the machine died); "scheduler": only its
+# scheduler process (the OOM killer), and the server must then exit non-zero by itself.
+KillHow = Literal["server", "scheduler"]
 
 
 class PlanError(ValueError):
@@ -222,9 +225,7 @@ class PlanRunner:
     joiners: dict[int, ServerProcess] = field(default_factory=dict)  # rank -> its server
     kills: list[float] = field(default_factory=list)  # monotonic times of the kill steps
     on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None
-    # "server": a kill takes the rank's whole server (the machine died); "scheduler": only its
-    # scheduler process (the OOM killer), and the server must then exit non-zero by itself.
-    kill: Literal["server", "scheduler"] = "server"
+    kill: KillHow = "server"
 
     def run(self, from_step: int = 0) -> None:
         for step in self.steps[from_step + 1:]:
@@ -376,11 +377,11 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
              after_step: Callable[[Step, dict], None] | None = None,
              after: PlanRunner | None = None, from_step: int = 0,
              on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None,
-             kill: Literal["server", "scheduler"] = "server") -> PlanRunner:
+             kill: KillHow = "server") -> PlanRunner:
     """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
     runner (its reference outputs, kills and joiners) for further checks.
 
-    ``kill``: how a kill step kills (:class:`PlanRunner`).
+    ``kill``: how a kill step kills (``KillHow``).
 
     ``after``, ``from_step``: go on where an earlier plan on this cluster (its runner) left
     off, which must be the state of ``steps[from_step]`` (checked): the steps after it run,
