@@ -227,6 +227,53 @@ def test_a_refused_removal_changes_nothing() -> None:
     assert status.effective_ep_size == 3 and status.ranks[2].state.value == "failed"
 
 
+def test_a_scale_down_past_a_stranded_joiner_drains_the_live_ones_and_awaits_only_them(
+) -> None:
+    """Launched at 2, grown to 4; joiner 2 failed below the live joiner 3. The scale-down to
+    2 drains shard 3 while shard 2 counts as dead from the start: neither the request nor the
+    drain confirmation waits for rank 2's scheduler, and the commit lists both safe to
+    terminate."""
+    from sglang_elastic_ep.api.control_plane import InProcessControlPlane
+    from sglang_elastic_ep.core.api_models import ScaleRequest
+    from sglang_elastic_ep.core.validation import ScaleTopology
+
+    plane = InProcessControlPlane(
+        topology=ScaleTopology(max_ep_size=4, attn_replica_size=1, launch_size=2),
+        initial_ep_size=4)
+    plane.report_rank_failed([2], "process exited")
+    ok = SimpleNamespace(success=True, message="draining", pending_ep_size=2,
+                         scale_phase="draining")
+    tm = FakeTokenizerManager(ok)
+    tm.elastic_worker_count = 4
+    confirmed: list[int] = []
+
+    async def confirm(obj: object) -> list[object]:
+        confirmed.append(obj.new_ep_size)
+        tm.phase = Phase.SERVING_CONTRACTED.value  # rank 0 reports the commit right after
+        return [ok, ok, ok]
+
+    tm.scale_elastic_ep_communicator = confirm
+    adapter = HttpAdapterState(plane=plane)
+    plane._engine = UpstreamEngine(tm, adapter)
+
+    async def shrink() -> object:
+        answer = await plane.request_scale(ScaleRequest(new_ep_size=2, operation_id="past"))
+        assert adapter.router.leaving == {2, 3} and adapter.router.leaving_down == {2}
+        tm.phase = Phase.DRAINING.value  # the schedulers drain until the confirmation
+        await asyncio.to_thread(wait_until, lambda: plane.status().current_operation is None,
+                                60, "the scale-down finished", 0.05)
+        return answer
+
+    answer = asyncio.run(shrink())
+    assert answer.status == 200, answer
+    assert tm.asked == [2] and confirmed == [2]
+    assert tm.fan_outs == [3, 4, 3, 4]  # the live three, for the request and the confirmation
+    status = plane.status()
+    assert status.effective_ep_size == 2 and status.recent_operations[0].result == "succeeded"
+    assert [r.state.value for r in status.ranks] == ["active", "active", "safe_to_terminate",
+                                                     "safe_to_terminate"]
+
+
 def test_control_plane_is_the_one_mounted_on_the_servers_tokenizer_manager(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

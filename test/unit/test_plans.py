@@ -32,6 +32,34 @@ def test_grow_kill_the_joiner_recover_and_shrink() -> None:
     ]
 
 
+def test_a_joiner_killed_below_a_live_one_is_shrunk_past_and_the_slots_refilled() -> None:
+    assert kinds([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1], [0, 1, 2]])[3:] == [
+        ("kill", [2], [0, 1, 3], [2]),
+        ("shrink", [2, 3], [0, 1], []),  # the dead rank 2 with the live rank 3
+        ("grow", [2], [0, 1, 2], []),
+    ]
+
+
+def test_a_shrink_past_a_dead_joiner_waits_for_the_live_ones_to_exit_only() -> None:
+    """The killed joiner's server exited by SIGKILL already; the live one must exit 0."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep_testbed.cluster.plans import PlanRunner
+
+    steps = steps_of([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1]])
+    waited: list[str] = []
+    joiner = {r: SimpleNamespace(name=f"joiner{r}",
+                                 wait_exit=lambda t, r=r: waited.append(f"joiner{r}") or 0)
+              for r in (2, 3)}
+    runner = PlanRunner(cluster=SimpleNamespace(followers={}), steps=steps,  # type: ignore[arg-type]
+                        load=None)  # type: ignore[arg-type]
+    runner.joiners = dict(joiner)
+    scaled: list[tuple[int, str]] = []
+    runner._scale = lambda size, operation_id: scaled.append((size, operation_id))  # type: ignore[method-assign]
+    runner._shrink(steps[4])
+    assert scaled == [(2, "plan-4-shrink")] and waited == ["joiner3"] and runner.joiners == {}
+
+
 def test_two_ranks_killed_at_once_and_a_stay_step_keeps_them_failed() -> None:
     assert kinds([[0, 1, 2], [0, -1, -2], [0], [0, 1, 2]])[1:] == [
         ("kill", [1, 2], [0], [1, 2]),
@@ -91,13 +119,18 @@ def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
     ([[0, 1], [0, 1, 2], [0, -1, 2], [0, -2]], None),
     ([[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]], None),  # rank 1 first, then rank 2
     ([[0, 1], [0, 1, 2], [0, -1, -2], [0, 2]], "recover launch-time ranks [1] first"),
-    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3]], "tail"),
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3]], None),  # stranded: only a shrink past it
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2, 3]], "have no in-place rejoin"),
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2]], "one change per step"),
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, -3]], None),  # now a failed tail
+    ([[0, 1], [0, 1, 2, 3], [0, -1, -2, 3]], "keep from working"),
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, -1, 3]], "keep from working"),
     ([[0, 1], [0, 1, 2], [0, 1]], None),
     ([[0, 1, 2], [0, 1], [0, 1, 2]], None),  # a released launch slot refilled by a joiner
     ([[0, 1], [0, 2]], "one change per step"),
     # A refilled launch slot holds a joiner: killed, it is held to the joiners' tail rule.
     ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, -2]], None),
-    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3]], "tail"),
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1]], None),
     ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, -1, 2, 3], [0, 2, 3]], None),
     ([[0, 1, 2], [0, 1], [0, 1, 2], [0, -1, -2], [0, 2]], "recover launch-time ranks [1]"),
     ([[0, 1, 2], [0, -1, 2], [0, 1, 2, 3]], "recover [1] first"),

@@ -175,10 +175,15 @@ def failed_tail(active: Sequence[int], effective_size: int, launch_size: int) ->
     problem = None
     if joined != list(range(first, effective_size)):
         alive = [r for r in range(first, effective_size) if active[r]]
+        launch_failed = [r for r in failed if r < launch_size]
+        action = (f"scale down past them (new_ep_size {first} or less removes them with the "
+                  "live ranks above, which drain), then scale up again" if not launch_failed
+                  else f"and with launch-time ranks {launch_failed} failed too, no scale-down "
+                  "is accepted either: restart the deployment")
         problem = (
             f"failed ranks {joined} are not the tail of the {effective_size} ranks (ranks "
             f"{alive} still serve): only a failed tail of ranks that joined by scale-up can be "
-            "re-admitted"
+            f"re-admitted, so a relaunch cannot bring them back; {action}"
         )
     return FailedTail(first=first, effective_size=effective_size, problem=problem)
 

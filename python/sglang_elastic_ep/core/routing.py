@@ -39,10 +39,12 @@ class LiveShardRouter:
         if len(rids) > PRUNE_AT:
             rids[:] = [r for r in rids if r in in_flight]
 
-    def start_drain(self, shards: Iterable[int]) -> None:
-        """A scale-down drains ``shards``: no new request goes to them from now on."""
+    def start_drain(self, shards: Iterable[int], down: Iterable[int] = ()) -> None:
+        """A scale-down drains ``shards``: no new request goes to them from now on. ``down``:
+        those of them that failed before it (a scale-down past failed ranks), dead from the
+        start of the drain."""
         self.leaving = frozenset(shards)
-        self.leaving_down = frozenset()
+        self.leaving_down = self.leaving & frozenset(down)
 
     def stop_draining(self) -> None:
         """The scale-down ended without releasing its shards (refused, failed, called off):

@@ -15,7 +15,10 @@ Decisions:
   ``new_ep_size % (attn_tp_size * attn_cp_size) == 0``).
 - While a rank inside the current size has failed, scale-up is refused (409), and the only
   scale-down allowed is the one that removes exactly the failed ranks (so they must be the
-  tail); anything else would mix cleanup and resizing in one operation.
+  tail); anything else would mix cleanup and resizing in one operation. One exception: failed
+  scale-joined ranks with a live rank above them (a "stranded" joiner) have no in-place
+  rejoin and cannot be let go on their own, so a scale-down past them (removing them with the
+  live ranks above, which drain) is accepted: it is the one action that works from there.
 - A scale-down below the launch size releases launch-time slots and says so: a later
   scale-up refills them with scale joiners at those offsets, as for any other slot.
 """
@@ -123,8 +126,19 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     # The tail is offered only where it is accepted: not while a hole is open, and with
     # failed ranks the one scale-down admitted removes exactly them.
     smaller = current_size - len(named)
+    past = stranded_joiners_target(down, current_size, launch_size=launch_size,
+                                   attn_replica_size=attn_replica_size, min_size=min_size)
+    stranded = stranded_joiners(down, current_size, launch_size=launch_size)
+    if stranded and past is None:
+        return _refuse(HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
+                       _no_way_back(down, stranded))
+    past_hint = "" if past is None else (
+        f"scale down to {past} instead (new_ep_size {past}: it "
+        f"{_past_stranded(past, down, current_size)})")
     if holes_open:
         instead = refill
+    elif past is not None:
+        instead = past_hint
     elif not _size_accepted(smaller, min_size, attn_replica_size):
         instead = (f"no smaller size is accepted (at least {max(min_size, 1)} ranks, in whole "
                    f"attention replicas of {attn_replica_size})")
@@ -163,6 +177,12 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
         return _refuse(
             HTTPStatus.CONFLICT, RejectionReason.REMOVED_RANKS_PRESENT,
             f"live ranks are removed only while no hole is open; {refill}, then retry",
+        )
+    if live and down and past is not None:
+        return _refuse(
+            HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
+            f"ranks {_ranks(down)} have failed, and live ranks {_ranks(live)} are removed only "
+            f"while every rank serves: {past_hint}",
         )
     if live and down:
         failed_hint = (f' or remove them ({{"remove_ranks": {_ranks(down)}}})'
@@ -233,6 +253,52 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
                  f"{current_size - len(named)} ranks; relaunch them with "
                  "--elastic-ep-join-mode recover to refill their slots"),
     )
+
+
+def stranded_joiners(failed: Iterable[int], current_size: int, *,
+                     launch_size: int | None) -> frozenset[int]:
+    """The failed ranks that joined by scale-up and have a live rank above them (empty: none).
+
+    Such ranks are stranded: a scale-joined rank's replacement joins at the tail, after the
+    survivors let the failed tail go (``core.membership.failed_tail``), and a live rank above
+    keeps them from being a tail, so no relaunch brings them back. Ranks at or above
+    ``launch_size`` only, as the schedulers count them: a launch slot that a joiner refilled
+    after a shrink is in the launch-time groups and rejoins in place."""
+    down = frozenset(failed)
+    launch = current_size if launch_size is None else launch_size
+    live = [r for r in range(current_size) if r not in down]
+    return frozenset(r for r in down if r >= launch and live and r < max(live))
+
+
+def stranded_joiners_target(failed: Iterable[int], current_size: int, *,
+                            launch_size: int | None, attn_replica_size: int = 1,
+                            min_size: int = 1) -> int | None:
+    """The largest size whose scale-down removes every failed rank when some are stranded
+    joiners (``stranded_joiners``) and the rest joiners too; else None. The scale-down
+    removes them with the live ranks above, which drain as in any scale-down (a dead leaving
+    rank leaves anyway). None also when that size is below the smallest one accepted."""
+    down = frozenset(failed)
+    launch = current_size if launch_size is None else launch_size
+    if not stranded_joiners(down, current_size, launch_size=launch_size) \
+            or min(down) < launch:
+        return None
+    size = min(down) // attn_replica_size * attn_replica_size
+    return size if _size_accepted(size, min_size, attn_replica_size) else None
+
+
+def _no_way_back(failed: frozenset[int], stranded: frozenset[int]) -> str:
+    """Why nothing but a restart works: stranded joiners, and no scale-down past them."""
+    return (f"ranks {_ranks(failed)} have failed, and scale-joined ranks {_ranks(stranded)} "
+            "among them have a live rank above them: a relaunch cannot bring them back, and "
+            "no scale-down past them is accepted (launch-time ranks failed with them, or the "
+            "size it leaves is too small); restart the deployment")
+
+
+def _past_stranded(target: int, failed: frozenset[int], current_size: int) -> str:
+    """How ``target``'s scale-down past stranded ``failed`` joiners reads to the operator."""
+    live = sorted(set(range(target, current_size)) - failed)
+    return (f"removes failed ranks {_ranks(failed)}, which joined by scale-up and cannot "
+            f"rejoin where they are, together with live ranks {_ranks(live)}, which drain")
 
 
 def _size_accepted(size: int, min_size: int, attn_replica_size: int) -> bool:
@@ -358,6 +424,19 @@ def _judge(
 
     removable = frozenset(range(target, current_size))
     removal_target = _removal_target(failed, current_size, topology)
+    stranded = stranded_joiners(failed, current_size, launch_size=topology.launch_size)
+    past = stranded_joiners_target(failed, current_size, launch_size=topology.launch_size,
+                                   attn_replica_size=replica, min_size=topology.min_ep_size)
+    if stranded and past is None:
+        return _refuse(HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
+                       _no_way_back(failed, stranded))
+    if past is not None and target > current_size:
+        return _refuse(
+            HTTPStatus.CONFLICT,
+            RejectionReason.FAILED_RANKS_PRESENT,
+            f"rank(s) {_ranks(failed)} failed; scale down to {past} first (it "
+            f"{_past_stranded(past, failed, current_size)}), then scale up",
+        )
     if failed and target > current_size:
         remove_hint = (
             f", or remove them by scaling down to {removal_target}"
@@ -371,7 +450,15 @@ def _judge(
             f"first (relaunch them with --elastic-ep-join-mode recover{remove_hint}), "
             "then scale up",
         )
-    if failed and removable != failed:
+    if past is not None and target > past:
+        return _refuse(
+            HTTPStatus.CONFLICT,
+            RejectionReason.MUST_REMOVE_FAILED_RANKS,
+            f"rank(s) {_ranks(failed)} failed; a scale-down must remove them too, and ranks "
+            f"leave from the tail: scale down to {past} instead (it "
+            f"{_past_stranded(past, failed, current_size)})",
+        )
+    if failed and past is None and removable != failed:
         holes = _hole_removal_hint(failed, current_size, topology, joined)
         fix = (
             f"scale down to exactly {removal_target}"
@@ -401,13 +488,12 @@ def _judge(
     if launch is not None and target < launch:
         one_way = (f"; ranks {_ranks(range(target, min(current_size, launch)))} are launch-time"
                    " slots: they come back as scale joiners at their own offsets")
+    draining = (f"draining ranks {_ranks(leaving)}" if past is None
+                else f"it {_past_stranded(target, failed, current_size)}")
     return ScaleVerdict(
         ok=True,
         status=int(HTTPStatus.OK),
-        message=(
-            f"Scaling initiated from {current_size} to {target}, draining ranks "
-            f"{_ranks(leaving)}{one_way}"
-        ),
+        message=f"Scaling initiated from {current_size} to {target}, {draining}{one_way}",
         direction=ScaleDirection.DOWN,
         leaving_ranks=leaving,
     )

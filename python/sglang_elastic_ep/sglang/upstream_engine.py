@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from sglang_elastic_ep.api.control_plane import EngineRefusal
@@ -59,9 +60,10 @@ class UpstreamEngine:
     def _router(self) -> LiveShardRouter:
         return self._adapter.router
 
-    def _leaving_shards(self, op: Operation) -> frozenset[int]:
+    def _shards(self, ranks: Iterable[int]) -> frozenset[int]:
+        """The DP shards (attention replicas) of ``ranks``."""
         replica = int(getattr(self._tm, "attn_replica_size", 1) or 1)
-        return frozenset(r // replica for r in op.ranks)
+        return frozenset(r // replica for r in ranks)
 
     @staticmethod
     def _removes_below_the_tail(op: Operation) -> bool:
@@ -86,18 +88,21 @@ class UpstreamEngine:
 
         leaving: frozenset[int] = frozenset()
         drain = False
+        dead: frozenset[int] = frozenset()
         if op.kind is OperationKind.SCALE_DOWN:
-            leaving = self._leaving_shards(op)
-            # Validation admits a scale-down over failed ranks only when it removes exactly
-            # them: nothing of theirs is left to drain, and their schedulers cannot answer.
+            leaving = self._shards(op.ranks)
+            # Validation admits a scale-down over failed ranks when it removes exactly them
+            # (nothing of theirs is left to drain), or when it reaches past failed
+            # scale-joined ranks below live ones (those live ones drain). Failed schedulers
+            # cannot answer: only the live ones are awaited.
             failed = self._adapter.control_plane().membership.failed
-            removing_failed = bool(failed & frozenset(op.ranks))
-            drain = not removing_failed
-            if removing_failed:
-                replica = int(getattr(self._tm, "attn_replica_size", 1) or 1)
-                self._tm.update_control_communicator_fan_out(op.new_ep_size // replica)
-            else:
-                self._router.start_drain(leaving)  # stop new work first
+            dead = self._shards(failed & frozenset(op.ranks))
+            drain = leaving != dead
+            if dead:
+                self._tm.update_control_communicator_fan_out(
+                    int(self._tm.elastic_worker_count) - len(dead))
+            if drain:
+                self._router.start_drain(leaving, down=dead)  # stop new work first
         try:
             result = await asyncio.wait_for(
                 self._tm.scale_elastic_ep(
@@ -107,12 +112,15 @@ class UpstreamEngine:
                 SCHEDULER_ANSWER_TIMEOUT_S,
             )
         except asyncio.TimeoutError:
-            self._undo(op, drain)
+            self._undo(op, dead)
             raise RuntimeError(
                 f"the schedulers did not answer within {SCHEDULER_ANSWER_TIMEOUT_S:g} s"
             ) from None
+        finally:
+            if dead and drain:  # the drain confirmation and the commit set their own
+                self._tm.update_control_communicator_fan_out(int(self._tm.elastic_worker_count))
         if not result.success:
-            self._undo(op, drain)
+            self._undo(op, dead)
             if op.kind is OperationKind.SCALE_DOWN:
                 raise EngineRefusal(result.message)
             raise RuntimeError(result.message)
@@ -136,10 +144,10 @@ class UpstreamEngine:
             return False, refused[0]
         return True, answers[0].message if answers else "cancel requested"
 
-    def _undo(self, op: Operation, drain: bool) -> None:
+    def _undo(self, op: Operation, dead: frozenset[int]) -> None:
         """A refused or unanswered request changes nothing here either."""
         self._router.stop_draining()
-        if op.kind is OperationKind.SCALE_DOWN and not drain:
+        if op.kind is OperationKind.SCALE_DOWN and dead:
             self._tm.update_control_communicator_fan_out(self._tm.elastic_worker_count)
 
     @property

@@ -105,3 +105,16 @@ def test_a_shard_removed_where_it_is_stays_out_of_routing_until_reported_up() ->
     assert {router.pick(3) for _ in range(4)} == {0, 2}
     router.mark_down(set(), in_flight=set())  # its relaunch serves: every shard reports up
     assert {router.pick(3) for _ in range(6)} == {0, 1, 2}
+
+
+def test_a_drain_past_a_failed_shard_counts_it_dead_from_the_start() -> None:
+    """A scale-down past a failed shard: no liveness report will change for it, so it is
+    leaving and dead from the start; called off, it is down again, not live."""
+    router = LiveShardRouter()
+    router.mark_down({2}, in_flight=set())
+    router.start_drain({2, 3}, down={2})
+    assert router.leaving == {2, 3} and router.leaving_down == {2}
+    assert router.pick(4) in (0, 1)
+    router.stop_draining()
+    assert router.down == {2} and router.leaving == frozenset()
+    assert {router.pick(4) for _ in range(6)} == {0, 1, 3}

@@ -1,7 +1,12 @@
 import pytest
 
 from sglang_elastic_ep.core.api_models import RejectionReason
-from sglang_elastic_ep.core.validation import ScaleDirection, ScaleTopology, validate_scale
+from sglang_elastic_ep.core.validation import (
+    ScaleDirection,
+    ScaleTopology,
+    resolve_removal,
+    validate_scale,
+)
 
 TOPO = ScaleTopology(max_ep_size=8)
 
@@ -119,3 +124,58 @@ def test_slots_past_the_launch_size_come_and_go_freely() -> None:
     assert shrink.ok and "launch-time" not in shrink.message
     grow = validate_scale(4, current_size=2, topology=topology)
     assert grow.ok and grow.joining_ranks == (2, 3)
+
+
+STRANDED = ScaleTopology(max_ep_size=4, launch_size=2)  # ranks 2 and 3 joined by scale-up
+
+
+def test_a_scale_down_past_a_failed_joiner_below_a_live_one_is_accepted() -> None:
+    """Rank 2 joined by scale-up and failed while rank 3 serves: no relaunch brings it back,
+    so the scale-down that removes it with rank 3 (which drains) is the way out."""
+    v = validate_scale(2, current_size=4, topology=STRANDED, failed_ranks=[2])
+    assert v.ok and v.direction is ScaleDirection.DOWN and v.leaving_ranks == (2, 3)
+    assert "removes failed ranks [2]" in v.message and "live ranks [3], which drain" in v.message
+
+
+def test_a_smaller_scale_down_with_a_stranded_joiner_names_the_one_past_it() -> None:
+    v = validate_scale(3, current_size=4, topology=STRANDED, failed_ranks=[2])
+    assert not v.ok and v.status == 409 and v.reason is RejectionReason.MUST_REMOVE_FAILED_RANKS
+    assert "scale down to 2 instead" in v.message and "recover" not in v.message
+
+
+def test_a_scale_up_with_a_stranded_joiner_names_the_scale_down_first() -> None:
+    big = ScaleTopology(max_ep_size=6, launch_size=2)
+    v = validate_scale(6, current_size=4, topology=big, failed_ranks=[2])
+    assert not v.ok and v.status == 409 and v.reason is RejectionReason.FAILED_RANKS_PRESENT
+    assert "scale down to 2 first" in v.message and "recover" not in v.message
+
+
+def test_a_joiner_in_a_refilled_launch_slot_is_not_stranded() -> None:
+    """Launched at 3, shrunk to 2, grown back: the schedulers count slot 2 as launch-time (it
+    is in the launch-time groups and rejoins in place), so the validator does too."""
+    topo = ScaleTopology(max_ep_size=4, launch_size=3)
+    v = validate_scale(2, current_size=4, topology=topo, failed_ranks=[2], joined_slots=[2, 3])
+    assert not v.ok and "recover" in v.message
+
+
+def test_a_stranded_joiner_with_a_failed_launch_rank_refuses_every_change_and_says_so() -> None:
+    """No scale-down past rank 2 works while launch-time rank 1 is down too (the scale-down
+    would be called off for a failed staying rank), and no relaunch brings rank 2 back."""
+    for target in (2, 3):
+        v = validate_scale(target, current_size=4, topology=STRANDED, failed_ranks=[1, 2])
+        assert not v.ok and v.status == 409 and "restart the deployment" in v.message
+        assert "recover" not in v.message
+
+
+def test_a_tail_of_failed_joiners_is_not_stranded() -> None:
+    exact = validate_scale(3, current_size=4, topology=STRANDED, failed_ranks=[3])
+    assert exact.ok and exact.leaving_ranks == (3,)
+    past = validate_scale(2, current_size=4, topology=STRANDED, failed_ranks=[3])
+    assert not past.ok and "scale down to exactly 3" in past.message
+
+
+def test_removing_a_stranded_joiner_by_rank_names_the_scale_down_past_it() -> None:
+    named = resolve_removal([2], 4, failed=[2], launch_size=2)
+    assert not isinstance(named, int) and named.status == 422
+    assert "scale down to 2 instead (new_ep_size 2" in named.message
+    assert resolve_removal([2, 3], 4, failed=[2], launch_size=2) == 2  # the tail: size 2

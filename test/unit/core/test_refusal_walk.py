@@ -3,9 +3,10 @@
 Walks the scale validator over reachable states (sizes of whole attention replicas that hold
 every expert, any one or two failed ranks, slots released below the launch size) and every
 target. A refusal that names a size to ask for instead must name one the same state accepts;
-one that tells the operator to recover ranks must be about a state with failed ranks; one
-that names ranks to remove (``{"remove_ranks": [...]}``) must name a set the same state
-accepts.
+one that tells the operator to recover ranks must be about a state with failed ranks that a
+relaunch brings back (the schedulers' rule, ``core.membership.failed_tail``: not a failed
+scale-joined rank with a live rank above it); one that names ranks to remove
+(``{"remove_ranks": [...]}``) must name a set the same state accepts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 
 import pytest
 
+from sglang_elastic_ep.core.membership import failed_tail
 from sglang_elastic_ep.core.validation import (
     ScaleTopology,
     ScaleVerdict,
@@ -35,6 +37,16 @@ TOPOLOGIES = [
         (4, 6, 8), (1, 2), (2, 4), ((None, None), (16, 8), (16, 6)))
     if max_size % replica == 0 and launch % replica == 0 and launch <= max_size
 ]
+
+
+def relaunch_brings_back(current: int, failed: tuple[int, ...], launch: int | None) -> bool:
+    """Whether relaunching ``failed`` with ``--elastic-ep-join-mode recover`` works, by the
+    rule the schedulers apply."""
+    launch = launch or current
+    if all(r < launch for r in failed):
+        return True  # launch-time ranks rejoin in place
+    tail = failed_tail([0 if r in failed else 1 for r in range(current)], current, launch)
+    return tail is None or tail.problem is None
 
 
 def states(topology: ScaleTopology) -> list[tuple[int, tuple[int, ...]]]:
@@ -69,6 +81,8 @@ def test_no_refusal_recommends_an_action_the_same_state_refuses(
                     (current, failed, target, verdict.message, removal.message)
             if "recover" in verdict.message:
                 assert failed, (current, target, verdict.message)
+                assert relaunch_brings_back(current, failed, topology.launch_size), \
+                    (current, failed, target, verdict.message)
             assert verdict.message.strip(), (current, failed, target)
     assert walked > 0
 
@@ -151,4 +165,5 @@ def test_no_removal_refusal_recommends_an_action_the_same_state_refuses(
                     assert size_verdict.ok, (state, size_verdict.message)
                 if "recover" in verdict.message:
                     assert failed or holes, state
+                    assert holes or relaunch_brings_back(current, failed, launch), state
     assert walked > 0

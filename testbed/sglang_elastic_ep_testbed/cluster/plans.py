@@ -11,15 +11,17 @@ Each step is one change, derived from the sets (:func:`steps_of`): ``kill`` (the
 ranks), ``recover`` (failed or removed ranks come back: relaunched with
 ``--ep-join-mode recover``), ``grow`` (the next free slots: one joiner each, then
 ``POST /scale_elastic_ep``), ``shrink`` (the tail: ``POST /scale_elastic_ep``; the released
-servers exit 0), ``remove`` (launch-time ranks removed where they are,
+servers exit 0; a tail holding failed joiners below a live rank, which have no in-place
+rejoin, is shrunk past them), ``remove`` (launch-time ranks removed where they are,
 ``{"remove_ranks": [...]}``, leaving holes that a later ``recover`` refills:
 ``POST /scale_elastic_ep`` to the size with them, then their relaunches. Live ones: a set
 without them that is not a prefix; their servers exit 0. Failed ones: the same set again
 right after a kill of launch-time ranks with a serving rank above them; otherwise the same set
 again is ``stay``, and failed ranks stay failed). What the plugin does not do is refused
 before the cluster starts, with the reason: a removal of scale-joined ranks other than the
-tail, a killed rank 0 (it hosts the HTTP server), growing while ranks are failed or removed,
-a failed scale-joined tail brought back before the launch-time ranks that failed with it.
+tail, a recovery of failed joiners below a live rank, a killed rank 0 (it hosts the HTTP
+server), growing while ranks are failed or removed, a failed scale-joined tail brought back
+before the launch-time ranks that failed with it.
 
 After every step the runner checks what an orchestrator would: the status shows exactly the
 step's set active (killed ranks ``failed``, everything else inactive) and every active shard
@@ -130,9 +132,12 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
         if set(active) != before - set(killed):
             raise PlanError(f"step {i}: a kill step only kills: expected the others "
                             f"{sorted(before - set(killed))} active, got {active}")
-        joiners = [r for r in killed if r in joined]
-        if joiners and joiners != list(range(max(before) + 1 - len(joiners), max(before) + 1)):
-            raise PlanError(f"step {i}: killed joiners {joiners} must be the active set's tail")
+        down = failed | set(killed)
+        stranded = sorted(r for r in down & joined if r < max(active))
+        if stranded and down - joined:
+            raise PlanError(f"step {i}: failed joiners {stranded} below a live rank are only "
+                            f"shrunk past, which launch-time ranks {sorted(down - joined)} "
+                            "failed with them keep from working")
         return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))),
                     prev.holes)
     added, removed = sorted(set(active) - before), sorted(before - set(active))
@@ -146,6 +151,10 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
     if added:
         back = [r for r in added if r in failed or r in holes]
         if back:
+            stranded = [r for r in back if r in joined and r < max(before)]
+            if stranded:
+                raise PlanError(f"step {i}: failed scale-joined ranks {stranded} below a live "
+                                "rank have no in-place rejoin: shrink past them")
             if back != added:
                 raise PlanError(f"step {i}: recover {back} first, then grow by "
                                 f"{sorted(set(added) - failed)}")
@@ -162,6 +171,11 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
             raise PlanError(f"step {i}: a scale-up adds the next free slots "
                             f"{list(range(len(before), len(active)))}, not {added}")
         return Step(i, "grow", tuple(added), tuple(active), ())
+    if removed and failed and not holes and failed <= joined \
+            and active == list(range(len(active))) and min(failed) < max(removed) \
+            and sorted(failed | set(removed)) == list(range(len(active), max(before | failed) + 1)):
+        # Failed joiners below a live rank: a shrink past them removes them with the tail.
+        return Step(i, "shrink", tuple(sorted(failed | set(removed))), tuple(active), ())
     if removed:
         if failed or holes:
             raise PlanError(f"step {i}: ranks {sorted(failed | holes)} are failed or removed: "
@@ -231,10 +245,14 @@ class PlanRunner:
         for step in self.steps[from_step + 1:]:
             print(f"[plan] step {step.index}: {step.kind} {list(step.ranks)} -> active "
                   f"{list(step.active)}", flush=True)
+            started = time.monotonic()
             getattr(self, f"_{step.kind}")(step)
+            changed = time.monotonic()
             current = self.check(step)
             if self.after_step is not None:
                 self.after_step(step, current)
+            print(f"[plan] step {step.index} done: change {changed - started:.0f} s, checks "
+                  f"{time.monotonic() - changed:.0f} s", flush=True)
 
     def _server_of(self, rank: int) -> ServerProcess | None:
         """The server process of ``rank`` alone: a joiner or a node; None for the primary's."""
@@ -294,8 +312,12 @@ class PlanRunner:
 
     def _shrink(self, step: Step) -> None:
         self._scale(len(step.active), f"plan-{step.index}-shrink")
+        dead = self.steps[step.index - 1].failed  # shrunk past: killed, they exit no more
         for rank in step.ranks:
             server = self._server_of(rank)
+            if rank in dead:
+                self.joiners.pop(rank, None)
+                continue
             if server is None:  # a launch rank of the primary's own tree ends its scheduler alone
                 continue
             code = server.wait_exit(SERVES_S)
