@@ -179,7 +179,10 @@ def failed_tail(active: Sequence[int], effective_size: int, launch_size: int) ->
         action = (f"scale down past them (new_ep_size {first} or less removes them with the "
                   "live ranks above, which drain), then scale up again" if not launch_failed
                   else f"and with launch-time ranks {launch_failed} failed too, no scale-down "
-                  "is accepted either: restart the deployment")
+                  f"is accepted either: stop the servers of ranks {alive} (their running "
+                  "requests end with 503), so that the failed joiners are a tail the "
+                  "survivors let go, then relaunch the launch-time ones with "
+                  "--elastic-ep-join-mode recover; or restart the deployment")
         problem = (
             f"failed ranks {joined} are not the tail of the {effective_size} ranks (ranks "
             f"{alive} still serve): only a failed tail of ranks that joined by scale-up can be "

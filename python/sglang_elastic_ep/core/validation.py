@@ -131,7 +131,7 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     stranded = stranded_joiners(down, current_size, launch_size=launch_size)
     if stranded and past is None:
         return _refuse(HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
-                       _no_way_back(down, stranded))
+                       _no_way_back(down, stranded, current_size))
     past_hint = "" if past is None else (
         f"scale down to {past} instead (new_ep_size {past}: it "
         f"{_past_stranded(past, down, current_size)})")
@@ -196,11 +196,18 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     scale_joined = [r for r in named if r in joiners]
     if scale_joined:
         rest = sorted(set(range(current_size)) - set(named))
+        below = named[0] // attn_replica_size * attn_replica_size
+        hosts = ""
+        if (len(scale_joined) == len(named) and not down and not holes_open
+                and _size_accepted(below, min_size, attn_replica_size)):
+            hosts = (f"; or, to take their hosts out, scale down to {below} (new_ep_size "
+                     f"{below}: ranks {_ranks(range(below, current_size))} drain and leave), "
+                     "then scale up again with joiners elsewhere")
         return _refuse(
             HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
             f"removing {_ranks(named)} would leave the active ranks {_ranks(rest)} with a "
             f"hole, and ranks {_ranks(scale_joined)} joined by scale-up, which leave from the "
-            f"tail only; {instead}",
+            f"tail only; {instead}{hosts}",
         )
     split = sorted({r // attn_replica_size for r in named
                     if any(p not in named for p in _replica(r, attn_replica_size))})
@@ -286,12 +293,16 @@ def stranded_joiners_target(failed: Iterable[int], current_size: int, *,
     return size if _size_accepted(size, min_size, attn_replica_size) else None
 
 
-def _no_way_back(failed: frozenset[int], stranded: frozenset[int]) -> str:
-    """Why nothing but a restart works: stranded joiners, and no scale-down past them."""
+def _no_way_back(failed: frozenset[int], stranded: frozenset[int], current_size: int) -> str:
+    """What still works with stranded joiners and no scale-down past them."""
+    above = sorted(set(range(min(stranded), current_size)) - failed)
     return (f"ranks {_ranks(failed)} have failed, and scale-joined ranks {_ranks(stranded)} "
             "among them have a live rank above them: a relaunch cannot bring them back, and "
             "no scale-down past them is accepted (launch-time ranks failed with them, or the "
-            "size it leaves is too small); restart the deployment")
+            f"size it leaves is too small). Stop the servers of ranks {_ranks(above)} (their "
+            "running requests end with 503): the failed scale-joined ranks are then a tail "
+            "the survivors let go, and failed launch-time ranks rejoin by a relaunch with "
+            "--elastic-ep-join-mode recover; or restart the deployment")
 
 
 def _past_stranded(target: int, failed: frozenset[int], current_size: int) -> str:
@@ -429,7 +440,7 @@ def _judge(
                                    attn_replica_size=replica, min_size=topology.min_ep_size)
     if stranded and past is None:
         return _refuse(HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
-                       _no_way_back(failed, stranded))
+                       _no_way_back(failed, stranded, current_size))
     if past is not None and target > current_size:
         return _refuse(
             HTTPStatus.CONFLICT,

@@ -71,11 +71,12 @@ def test_a_failed_rank_before_a_live_one_is_not_a_tail() -> None:
     assert "scale down past them (new_ep_size 2 or less" in tail.problem  # the way out
 
 
-def test_a_stranded_joiner_with_a_failed_launch_rank_says_only_a_restart_helps() -> None:
+def test_a_stranded_joiner_with_a_failed_launch_rank_names_stopping_the_ranks_above() -> None:
     tail = failed_tail([1, 0, 0, 1], effective_size=4, launch_size=2)
     assert tail is not None and tail.problem is not None
     assert "launch-time ranks [1] failed too" in tail.problem
     assert "restart the deployment" in tail.problem and "scale down past" not in tail.problem
+    assert "stop the servers of ranks [3]" in tail.problem
 
 
 def test_failed_launch_time_ranks_after_a_scale_rejoin_in_place() -> None:

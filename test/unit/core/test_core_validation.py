@@ -158,13 +158,15 @@ def test_a_joiner_in_a_refilled_launch_slot_is_not_stranded() -> None:
     assert not v.ok and "recover" in v.message
 
 
-def test_a_stranded_joiner_with_a_failed_launch_rank_refuses_every_change_and_says_so() -> None:
+def test_a_stranded_joiner_and_a_failed_launch_rank_refuse_sizes_and_name_what_works() -> None:
     """No scale-down past rank 2 works while launch-time rank 1 is down too (the scale-down
-    would be called off for a failed staying rank), and no relaunch brings rank 2 back."""
+    would be called off for a failed staying rank), and no relaunch brings rank 2 back. What
+    works: stop rank 3 too (the failed joiners are then a tail the survivors let go, and rank
+    1 rejoins by a relaunch), or restart."""
     for target in (2, 3):
         v = validate_scale(target, current_size=4, topology=STRANDED, failed_ranks=[1, 2])
         assert not v.ok and v.status == 409 and "restart the deployment" in v.message
-        assert "recover" not in v.message
+        assert "Stop the servers of ranks [3]" in v.message
 
 
 def test_a_tail_of_failed_joiners_is_not_stranded() -> None:
@@ -179,3 +181,15 @@ def test_removing_a_stranded_joiner_by_rank_names_the_scale_down_past_it() -> No
     assert not isinstance(named, int) and named.status == 422
     assert "scale down to 2 instead (new_ep_size 2" in named.message
     assert resolve_removal([2, 3], 4, failed=[2], launch_size=2) == 2  # the tail: size 2
+
+
+def test_removing_a_live_joiner_below_the_tail_names_how_to_take_its_host_out() -> None:
+    """Refused (a scale-joined rank leaves from the tail only), with the two ways that work:
+    remove the tail instead, or scale down past it and grow again elsewhere."""
+    named = resolve_removal([2], 4, launch_size=2)
+    assert not isinstance(named, int) and named.status == 422
+    assert '{"remove_ranks": [3]}' in named.message
+    assert "to take their hosts out, scale down to 2 (new_ep_size 2" in named.message
+    assert validate_scale(2, current_size=4, topology=STRANDED).ok
+    too_small = resolve_removal([2], 4, launch_size=2, min_size=3)
+    assert not isinstance(too_small, int) and "hosts out" not in too_small.message

@@ -39,9 +39,16 @@ TOPOLOGIES = [
 ]
 
 
-def relaunch_brings_back(current: int, failed: tuple[int, ...], launch: int | None) -> bool:
+STOPPED = re.compile(r"Stop the servers of ranks (\[[\d, ]+\])")
+
+
+def relaunch_brings_back(current: int, failed: tuple[int, ...], launch: int | None,
+                         message: str = "") -> bool:
     """Whether relaunching ``failed`` with ``--elastic-ep-join-mode recover`` works, by the
-    rule the schedulers apply."""
+    rule the schedulers apply, once the servers ``message`` says to stop are stopped (their
+    ranks fail too)."""
+    for stopped in map(json.loads, STOPPED.findall(message)):
+        failed = tuple(sorted(set(failed) | set(stopped)))
     launch = launch or current
     if all(r < launch for r in failed):
         return True  # launch-time ranks rejoin in place
@@ -81,7 +88,8 @@ def test_no_refusal_recommends_an_action_the_same_state_refuses(
                     (current, failed, target, verdict.message, removal.message)
             if "recover" in verdict.message:
                 assert failed, (current, target, verdict.message)
-                assert relaunch_brings_back(current, failed, topology.launch_size), \
+                assert relaunch_brings_back(current, failed, topology.launch_size,
+                                            verdict.message), \
                     (current, failed, target, verdict.message)
             assert verdict.message.strip(), (current, failed, target)
     assert walked > 0
@@ -165,5 +173,6 @@ def test_no_removal_refusal_recommends_an_action_the_same_state_refuses(
                     assert size_verdict.ok, (state, size_verdict.message)
                 if "recover" in verdict.message:
                     assert failed or holes, state
-                    assert holes or relaunch_brings_back(current, failed, launch), state
+                    assert holes or relaunch_brings_back(current, failed, launch,
+                                                         verdict.message), state
     assert walked > 0
