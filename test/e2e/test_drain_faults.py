@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_elastic_ep.sglang.args import FAULT_WINDOW_PAST_HEARTBEAT_S
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import greedy_reference, stream_on_shard
@@ -86,9 +87,14 @@ def grow_to_3(cluster: LocalCluster, operation_id: str) -> ServerProcess:
 
 
 def _spec(tiny_model: Path, nodes: int) -> ClusterSpec:
-    return ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, nodes=nodes, moe_a2a_backend="nixl",
+    spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, nodes=nodes, moe_a2a_backend="nixl",
                        extra_args=["--ep-num-redundant-experts", "16",
                                    "--elastic-ep-drain-timeout", str(DRAIN_TIMEOUT_S)])
+    # Rank 1 dies below the survivor 2: if only rank 2's report reaches Mooncake within the
+    # window, Mooncake evicts rank 2 in its place (docs/cpu-testbed.md, "Mooncake
+    # deactivated a healthy survivor"); a window past its heartbeat timeout avoids that.
+    spec.fault_window_s = FAULT_WINDOW_PAST_HEARTBEAT_S
+    return spec
 
 
 @pytest.mark.known_race("on the pass its peer died in, survivors can disagree on a stale row "

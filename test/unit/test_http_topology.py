@@ -314,6 +314,37 @@ def test_a_drain_confirmation_awaits_only_the_live_schedulers() -> None:
     assert tm.fan_outs == [2, 3]
 
 
+def test_a_drain_confirmation_after_a_staying_shard_died_awaits_only_the_live_ones() -> None:
+    """A staying rank killed mid-drain: the schedulers call the scale-down off, and the
+    confirmation sent once the leaving shard drained gets their answer (saying so) instead of
+    waiting for the dead one until it times out."""
+    called_off = SimpleNamespace(success=False, message="scale-down to 2 called off: a "
+                                 "staying rank failed during the drain")
+    tm = FakeTokenizerManager(called_off)
+    tm.scale_elastic_ep_communicator = lambda obj: asyncio.sleep(0, [called_off, called_off])
+    adapter = HttpAdapterState(plane=None)
+    engine = UpstreamEngine(tm, adapter)
+    adapter.router.start_drain({2})
+    adapter.router.mark_down({1}, in_flight=set())
+    op = SimpleNamespace(kind=OperationKind.SCALE_DOWN, old_ep_size=3, new_ep_size=2,
+                         ranks=(2,), operation_id="shrink")
+    with pytest.raises(RuntimeError, match="a staying rank failed during the drain"):
+        asyncio.run(engine._confirm_drain(op))
+    assert tm.fan_outs == [2, 3]
+
+
+def test_a_failed_confirmation_reports_the_schedulers_own_reason_once_they_called_off(
+) -> None:
+    tm = FakeTokenizerManager(SimpleNamespace(success=True, message=""))
+    engine = UpstreamEngine(tm, HttpAdapterState(plane=None))
+    timeout = RuntimeError("the drain confirmation got no answer from 3 schedulers")
+    assert engine._why_failed(timeout) == str(timeout)  # still draining: its own error
+    tm.phase = Phase.FAILED.value
+    tm.get_elastic_ep_state = lambda: {"scale_phase": tm.phase, "last_error": "scale-down to 2 "
+                                       "called off: a staying rank failed during the drain"}
+    assert "a staying rank failed during the drain" in engine._why_failed(timeout)
+
+
 def test_a_live_removal_drains_its_shard_sends_its_ranks_and_leaves_a_hole() -> None:
     from sglang_elastic_ep.api.control_plane import InProcessControlPlane
     from sglang_elastic_ep.core.api_models import ScaleRequest

@@ -123,8 +123,9 @@ def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
     ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2, 3]], "have no in-place rejoin"),
     ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2]], "one change per step"),
     ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, -3]], None),  # now a failed tail
-    ([[0, 1], [0, 1, 2, 3], [0, -1, -2, 3]], "keep from working"),
-    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, -1, 3]], "keep from working"),
+    ([[0, 1], [0, 1, 2, 3], [0, -1, -2, 3], [0, 1, 3]], "kill the live joiners above"),
+    # Rank 3 killed too: the failed joiners are a tail, and rank 1 rejoins first.
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, -1, 3], [0, -3], [0, 1], [0, 1, 2, 3]], None),
     ([[0, 1], [0, 1, 2], [0, 1]], None),
     ([[0, 1, 2], [0, 1], [0, 1, 2]], None),  # a released launch slot refilled by a joiner
     ([[0, 1], [0, 2]], "one change per step"),

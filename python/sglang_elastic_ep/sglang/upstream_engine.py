@@ -166,12 +166,13 @@ class UpstreamEngine:
     async def _confirm_drain(self, op: Operation) -> None:
         """Every request routed to a leaving shard has ended: say so to the schedulers (the
         same request again, past upstream's pending check), so a leaving rank can commit.
-        A leaving shard that died during the drain cannot answer: only the live ones are
-        awaited (the others commit without it: its gather row is blank)."""
+        A shard that died during the drain cannot answer: only the live ones are awaited. A
+        dead leaving one: the others commit without it (its gather row is blank). A dead
+        staying one: the others have called the scale-down off, and say so."""
         from sglang.srt.managers.io_struct import ScaleElasticEPReqInput
 
         workers = int(self._tm.elastic_worker_count)
-        dead = self._router.leaving_down
+        dead = self._router.leaving_down | self._router.down
         live = sum(1 for shard in range(workers) if shard not in dead)
         if live != workers:
             self._tm.update_control_communicator_fan_out(live)
@@ -195,6 +196,16 @@ class UpstreamEngine:
         if refused:
             raise RuntimeError(f"drain confirmation refused: {refused[0]}")
 
+    def _why_failed(self, exc: Exception) -> str:
+        """The error of a scale-down whose drain confirmation failed: the schedulers' own
+        reason when they called it off meanwhile (a staying rank died before the HTTP process
+        saw it, so the confirmation waited for it), else ``exc``."""
+        state = self._tm.get_elastic_ep_state()
+        if UPSTREAM_PHASES.get(str(state.get("scale_phase"))) is Phase.FAILED \
+                and state.get("last_error"):
+            return str(state["last_error"])
+        return str(exc)
+
     async def _watch(self, op: Operation, leaving: frozenset[int], drain: bool) -> None:
         plane = self._adapter.control_plane()
         operation_id = op.operation_id
@@ -212,7 +223,7 @@ class UpstreamEngine:
                         await self._confirm_drain(op)
                     except Exception as exc:  # the schedulers never commit without it
                         self._router.stop_draining()
-                        plane.finish_operation(operation_id, error=str(exc))
+                        plane.finish_operation(operation_id, error=self._why_failed(exc))
                         return
                 elif drain_deadline is not None and time.monotonic() > drain_deadline:
                     drain_deadline = None  # once; the ended requests then leave rid_to_state

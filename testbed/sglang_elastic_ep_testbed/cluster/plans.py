@@ -19,7 +19,7 @@ without them that is not a prefix; their servers exit 0. Failed ones: the same s
 right after a kill of launch-time ranks with a serving rank above them; otherwise the same set
 again is ``stay``, and failed ranks stay failed). What the plugin does not do is refused
 before the cluster starts, with the reason: a removal of scale-joined ranks other than the
-tail, a recovery of failed joiners below a live rank, a killed rank 0 (it hosts the HTTP
+tail, a recovery while failed joiners are below a live rank, a killed rank 0 (it hosts the HTTP
 server), growing while ranks are failed or removed, a failed scale-joined tail brought back
 before the launch-time ranks that failed with it.
 
@@ -132,12 +132,6 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
         if set(active) != before - set(killed):
             raise PlanError(f"step {i}: a kill step only kills: expected the others "
                             f"{sorted(before - set(killed))} active, got {active}")
-        down = failed | set(killed)
-        stranded = sorted(r for r in down & joined if r < max(active))
-        if stranded and down - joined:
-            raise PlanError(f"step {i}: failed joiners {stranded} below a live rank are only "
-                            f"shrunk past, which launch-time ranks {sorted(down - joined)} "
-                            "failed with them keep from working")
         return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))),
                     prev.holes)
     added, removed = sorted(set(active) - before), sorted(before - set(active))
@@ -151,10 +145,12 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
     if added:
         back = [r for r in added if r in failed or r in holes]
         if back:
-            stranded = [r for r in back if r in joined and r < max(before)]
+            stranded = sorted(r for r in failed & joined if r < max(before))
             if stranded:
                 raise PlanError(f"step {i}: failed scale-joined ranks {stranded} below a live "
-                                "rank have no in-place rejoin: shrink past them")
+                                "rank have no in-place rejoin and keep failed launch-time "
+                                "ranks from rejoining: shrink past them, or kill the live "
+                                "joiners above them first")
             if back != added:
                 raise PlanError(f"step {i}: recover {back} first, then grow by "
                                 f"{sorted(set(added) - failed)}")
