@@ -42,7 +42,10 @@ class ScaleDownMachine(PhaseMachine):
     removed: tuple[int, ...] = ()
     drain_confirmed: bool = False  # the HTTP process saw every request routed to the tail end
     error: str | None = None
+    # The request's operation id: its drain confirmation carries the same one.
+    operation_id: str | None = None
     _late_answered: bool = field(default=False, init=False, repr=False)
+    _call_off_answered: bool = field(default=False, init=False, repr=False)
     _tracker: PhaseTracker = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +161,17 @@ class ScaleDownMachine(PhaseMachine):
         self.error = (f"{self.description} called off: {why}"
                       + (f" ({detail})" if detail else ""))
         self._tracker.advance(Phase.FAILED, now)
+        return self.error
+
+    def answers_called_off_confirmation(self, operation_id: str | None) -> str | None:
+        """The HTTP process's drain confirmation of a scale-down this rank has called off (a
+        staying rank died mid-drain, and the drain ended before the HTTP process read the
+        call-off): why it was called off, answered once, for the same operation only (a
+        later request for the same change is a new one)."""
+        if (self.phase is not Phase.FAILED or operation_id is None
+                or operation_id != self.operation_id or self._call_off_answered):
+            return None
+        self._call_off_answered = True
         return self.error
 
     def answers_late_confirmation(self, new_size: int, removed: tuple[int, ...] = ()) -> bool:

@@ -32,10 +32,16 @@ def operation_tag(state: Any) -> OperationTag:
     return attached_state(state, _TAG_ATTR, OperationTag)
 
 
+def request_operation_id(recv_req: Any) -> str | None:
+    """The operation id a scale request carries (the HTTP process sends it as ``rid``)."""
+    rid = getattr(recv_req, "rid", None)
+    return rid if isinstance(rid, str) and rid else None
+
+
 def note_scale_request(state: Any, recv_req: Any) -> None:
     """A scale request reached this scheduler: tag what follows with its operation id."""
-    rid = getattr(recv_req, "rid", None)
-    if isinstance(rid, str) and rid:
+    rid = request_operation_id(recv_req)
+    if rid is not None:
         operation_tag(state).operation_id = rid
 
 

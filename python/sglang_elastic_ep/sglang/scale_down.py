@@ -38,7 +38,11 @@ from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_down_machine import ScaleDownMachine
 from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.expert_moves import shrink_refusal
-from sglang_elastic_ep.sglang.operation_log import get_logger, note_scale_request
+from sglang_elastic_ep.sglang.operation_log import (
+    get_logger,
+    note_scale_request,
+    request_operation_id,
+)
 from sglang_elastic_ep.sglang.rank_removal import release_removed_ranks, removal_refusal
 from sglang_elastic_ep.sglang.removal_request import removed_ranks
 from sglang_elastic_ep.sglang.scale_up import CANCEL_EP_SIZE, request_cancel, scale_up_state
@@ -187,7 +191,7 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     removed = removed_ranks(new)
     if removed:
         scale_up_state(state).last_cancelled = None
-        return _handle_removal(scheduler, state, removed)
+        return _handle_removal(scheduler, state, removed, request_operation_id(recv_req))
     if new == CANCEL_EP_SIZE:
         accepted, message = request_cancel(state)
         return ScaleElasticEPReqOutput(
@@ -213,10 +217,12 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
 
     old = state.effective_ep_size
     called_off = down.take_called_off(state, StepKind.SHRINK, new)
+    machine = down.machine
+    if called_off is None and machine is not None:
+        called_off = machine.answers_called_off_confirmation(request_operation_id(recv_req))
     if called_off is not None:
         return ScaleElasticEPReqOutput(success=False, message=called_off, old_ep_size=old,
                                        new_ep_size=new, scale_phase=state.scale_phase)
-    machine = down.machine
     if (state.pending_ep_size == new and machine is not None and machine.draining
             and machine.new_size == new):
         # The HTTP process's second message: every request it routed to the leaving shards
@@ -234,6 +240,7 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     down.machine = ScaleDownMachine(
         rank=scheduler.tp_worker.model_runner._elastic_global_rank(), old_size=old,
         new_size=new, started_at=now, timeout_s=scale_timeout_s(),
+        operation_id=request_operation_id(recv_req),
     )
     state.pending_ep_size = new
     state.scale_phase = down.machine.phase.value
@@ -250,7 +257,8 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
     )
 
 
-def _handle_removal(scheduler: Any, state: Any, ranks: tuple[int, ...]) -> Any:
+def _handle_removal(scheduler: Any, state: Any, ranks: tuple[int, ...],
+                    operation_id: str | None) -> Any:
     """A request to remove live ``ranks`` below the tail (``rank_removal``): the first one
     starts the drain, the same again confirms it (as for a scale-down)."""
     from sglang.srt.managers.io_struct import ScaleElasticEPReqOutput
@@ -278,6 +286,8 @@ def _handle_removal(scheduler: Any, state: Any, ranks: tuple[int, ...]) -> Any:
         if machine.answers_late_confirmation(size, ranks):
             return answer(True, f"ranks {list(ranks)} already removed")
     called_off = down.take_called_off(state, StepKind.REMOVE, ranks_bitmask(ranks))
+    if called_off is None and machine is not None:
+        called_off = machine.answers_called_off_confirmation(operation_id)
     if called_off is not None:
         return answer(False, called_off)
     error = removal_refusal(state, ranks)
@@ -287,6 +297,7 @@ def _handle_removal(scheduler: Any, state: Any, ranks: tuple[int, ...]) -> Any:
     down.machine = ScaleDownMachine(
         rank=scheduler.tp_worker.model_runner._elastic_global_rank(), old_size=size,
         new_size=size, removed=ranks, started_at=now, timeout_s=scale_timeout_s(),
+        operation_id=operation_id,
     )
     state.scale_phase = down.machine.phase.value
     state.last_error = None

@@ -152,3 +152,18 @@ def test_a_late_drain_confirmation_of_a_removal_is_answered_once() -> None:
 def test_bad_removals_are_refused(removed: tuple[int, ...], new: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ScaleDownMachine(rank=0, old_size=3, new_size=new, removed=removed, started_at=0.0)
+
+
+def test_the_drain_confirmation_of_a_called_off_scale_down_gets_the_reason_once() -> None:
+    """A staying rank died mid-drain and the drain ended before the HTTP process read the
+    call-off: its confirmation (the same operation id) is answered with why; another
+    operation's request for the same size is a new one."""
+    m = ScaleDownMachine(rank=0, old_size=3, new_size=2, started_at=100.0,
+                         operation_id="shrink")
+    assert m.answers_called_off_confirmation("shrink") is None  # still draining
+    message = m.call_off(AbortReason.RANK_FAILED, "", 101.0)
+    assert m.answers_called_off_confirmation("retry") is None
+    assert m.answers_called_off_confirmation(None) is None
+    assert m.answers_called_off_confirmation("shrink") == message
+    assert "a staying rank failed during the drain" in message
+    assert m.answers_called_off_confirmation("shrink") is None  # once
