@@ -5,13 +5,17 @@ Two launch ranks, one node each (NIXL EP, ``--max-ep-size 4``, every expert on e
 steady greedy load, grown to 3 by a scale joiner, then 3 -> 2 while a long request runs on
 shard 2, and node 1 (rank 1, a staying rank) is killed mid-drain. The promise: every rank calls
 the scale-down off on one agreed pass (the release would hand rank 1's slots to a dead rank),
-the operation fails naming the staying rank, the size stays 3 with rank 1 failed, shard 2 takes
-requests again and the long request completes with every token. In one CI run the joiner's
-scheduler died instead on the pass rank 1 died in, from the DP gather's rows; survivors now
-repair the rows of a gather that reports a failed peer, and it passed here since
-(docs/design.md, "Garbage rows after a peer dies mid-gather"). It is marked ``known_race`` and
-stays out of the suite for its time (about 5 minutes) and for the one-pass disagreement that
-repair leaves open.
+the operation fails naming the staying rank, the size stays 3 with rank 1 failed, and shard 2
+takes requests again. The long request finishes on shard 2 with every token, unless a forward
+of it ran while rank 1 died: then it ends with 503 saying so, as every request of such a pass
+does (it decodes on every pass, so that is the usual case).
+
+What failed here before (2026-11-28, 2 runs of 2): the HTTP process sent the drain
+confirmation to all three schedulers, the dead one too, and its 60 s timeout ended the
+operation with that error instead of the schedulers' reason; and once the joiner alone
+reported rank 1 to Mooncake, which then evicted the joiner in its place (docs/cpu-testbed.md,
+"Mooncake deactivated a healthy survivor"): the cluster here runs a fault window past
+Mooncake's heartbeat timeout, as the phase plans do. Marker ``long`` (about 3.5 minutes).
 
 Throughout, no request fails except those the killed rank was running (503 with a message), and
 every completed request decoded the reference tokens.
@@ -97,9 +101,7 @@ def _spec(tiny_model: Path, nodes: int) -> ClusterSpec:
     return spec
 
 
-@pytest.mark.known_race("on the pass its peer died in, survivors can disagree on a stale row "
-                        "for that pass (docs/design.md, 'Garbage rows after a peer dies "
-                        "mid-gather'); about 5 minutes")
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_a_staying_rank_killed_mid_drain(tiny_model: Path) -> None:
     with LocalCluster(_spec(tiny_model, nodes=2)) as cluster:
@@ -122,8 +124,14 @@ def test_a_staying_rank_killed_mid_drain(tiny_model: Path) -> None:
                 FAULT_SEEN_S, "ranks 0 and 2 active, rank 1 failed")
             assert after["effective_ep_size"] == 3, after
             last = kept.result(timeout=DRAIN_TIMEOUT_S)[-1]
-            assert "error" not in last, last
-            assert last["meta_info"]["completion_tokens"] == LONG_TOKENS, last
+            finish = last["meta_info"].get("finish_reason") or {}
+            if finish.get("status_code") == 503:
+                # Its forward ran while rank 1 died: ended as the server promises for any
+                # request of such a pass (docs/operations.md, "Faults"), not kept.
+                assert "failed during this request's forward pass" in finish["message"], last
+            else:  # otherwise it finishes on its shard, which stays
+                assert "error" not in last, last
+                assert last["meta_info"]["completion_tokens"] == LONG_TOKENS, last
             wait_each_shard_serves(load, [0, 2], SERVES_S, logs={2: joiner.log_path})
         finally:
             results = load.stop()
