@@ -295,22 +295,31 @@ def test_control_plane_is_the_one_mounted_on_the_servers_tokenizer_manager(
     assert control_plane() is plane
 
 
-def test_a_drain_confirmation_awaits_only_the_live_schedulers() -> None:
-    """A leaving shard that died mid-drain cannot answer the confirmation: only the live
-    schedulers are awaited, and the fan-out is restored after (the commit sets its own)."""
-    ok = SimpleNamespace(success=True, message="drain confirmed")
-    tm = FakeTokenizerManager(ok)
-    tm.scale_elastic_ep_communicator = lambda obj: asyncio.sleep(0, [ok, ok])
+SHRINK_3_TO_2 = SimpleNamespace(kind=OperationKind.SCALE_DOWN, old_ep_size=3, new_ep_size=2,
+                                ranks=(2,), operation_id="shrink")
+
+
+def _draining(answer: object, dead: int) -> tuple[FakeTokenizerManager, UpstreamEngine,
+                                                   HttpAdapterState]:
+    """An engine draining shard 2 of 3 whose shard ``dead`` died meanwhile; the live
+    schedulers answer the confirmation with ``answer``."""
+    tm = FakeTokenizerManager(answer)
+    tm.scale_elastic_ep_communicator = lambda obj: asyncio.sleep(0, [answer, answer])
     adapter = HttpAdapterState(plane=None)
     engine = UpstreamEngine(tm, adapter)
     adapter.router.start_drain({2})
-    adapter.router.mark_down({2}, in_flight=set())
-    op = SimpleNamespace(kind=OperationKind.SCALE_DOWN, old_ep_size=3, new_ep_size=2,
-                         ranks=(2,), operation_id="shrink")
-    asyncio.run(engine._confirm_drain(op))
+    adapter.router.mark_down({dead}, in_flight=set())
+    return tm, engine, adapter
+
+
+def test_a_drain_confirmation_awaits_only_the_live_schedulers() -> None:
+    """A leaving shard that died mid-drain cannot answer the confirmation: only the live
+    schedulers are awaited, and the fan-out is restored after (the commit sets its own)."""
+    tm, engine, adapter = _draining(SimpleNamespace(success=True, message="confirmed"), dead=2)
+    asyncio.run(engine._confirm_drain(SHRINK_3_TO_2))
     assert tm.fan_outs == [2, 3]
     adapter.router.forget([2])
-    asyncio.run(engine._confirm_drain(op))  # every shard alive: the fan-out is left alone
+    asyncio.run(engine._confirm_drain(SHRINK_3_TO_2))  # every shard alive: left alone
     assert tm.fan_outs == [2, 3]
 
 
@@ -320,16 +329,9 @@ def test_a_drain_confirmation_after_a_staying_shard_died_awaits_only_the_live_on
     waiting for the dead one until it times out."""
     called_off = SimpleNamespace(success=False, message="scale-down to 2 called off: a "
                                  "staying rank failed during the drain")
-    tm = FakeTokenizerManager(called_off)
-    tm.scale_elastic_ep_communicator = lambda obj: asyncio.sleep(0, [called_off, called_off])
-    adapter = HttpAdapterState(plane=None)
-    engine = UpstreamEngine(tm, adapter)
-    adapter.router.start_drain({2})
-    adapter.router.mark_down({1}, in_flight=set())
-    op = SimpleNamespace(kind=OperationKind.SCALE_DOWN, old_ep_size=3, new_ep_size=2,
-                         ranks=(2,), operation_id="shrink")
+    tm, engine, _ = _draining(called_off, dead=1)
     with pytest.raises(RuntimeError, match="a staying rank failed during the drain"):
-        asyncio.run(engine._confirm_drain(op))
+        asyncio.run(engine._confirm_drain(SHRINK_3_TO_2))
     assert tm.fan_outs == [2, 3]
 
 
