@@ -10,12 +10,10 @@ takes requests again. The long request finishes on shard 2 with every token, unl
 of it ran while rank 1 died: then it ends with 503 saying so, as every request of such a pass
 does (it decodes on every pass, so that is the usual case).
 
-What failed here before (2026-11-28, 2 runs of 2): the HTTP process sent the drain
-confirmation to all three schedulers, the dead one too, and its 60 s timeout ended the
-operation with that error instead of the schedulers' reason; and once the joiner alone
-reported rank 1 to Mooncake, which then evicted the joiner in its place (docs/cpu-testbed.md,
-"Mooncake deactivated a healthy survivor"): the cluster here runs a fault window past
-Mooncake's heartbeat timeout, as the phase plans do. Marker ``long`` (about 3.5 minutes).
+The cluster runs a fault window past Mooncake's heartbeat timeout, as the phase plans do: with
+only the joiner's report of rank 1 in a shorter window, Mooncake can evict the joiner in its
+place (docs/cpu-testbed.md, "Mooncake deactivated a healthy survivor"). Marker ``long`` (about
+3.5 minutes).
 
 Throughout, no request fails except those the killed rank was running (503 with a message), and
 every completed request decoded the reference tokens.

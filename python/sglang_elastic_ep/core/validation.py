@@ -126,9 +126,9 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     # The tail is offered only where it is accepted: not while a hole is open, and with
     # failed ranks the one scale-down admitted removes exactly them.
     smaller = current_size - len(named)
-    past = stranded_joiners_target(down, current_size, launch_size=launch_size,
-                                   attn_replica_size=attn_replica_size, min_size=min_size)
-    stranded = stranded_joiners(down, current_size, launch_size=launch_size)
+    stranded, past = scale_down_past_stranded(down, current_size, launch_size=launch_size,
+                                              attn_replica_size=attn_replica_size,
+                                              min_size=min_size)
     if stranded and past is None:
         return _refuse(HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
                        _no_way_back(down, stranded, current_size))
@@ -277,20 +277,21 @@ def stranded_joiners(failed: Iterable[int], current_size: int, *,
     return frozenset(r for r in down if r >= launch and live and r < max(live))
 
 
-def stranded_joiners_target(failed: Iterable[int], current_size: int, *,
-                            launch_size: int | None, attn_replica_size: int = 1,
-                            min_size: int = 1) -> int | None:
-    """The largest size whose scale-down removes every failed rank when some are stranded
-    joiners (``stranded_joiners``) and the rest joiners too; else None. The scale-down
-    removes them with the live ranks above, which drain as in any scale-down (a dead leaving
-    rank leaves anyway). None also when that size is below the smallest one accepted."""
+def scale_down_past_stranded(failed: Iterable[int], current_size: int, *,
+                             launch_size: int | None, attn_replica_size: int = 1,
+                             min_size: int = 1) -> tuple[frozenset[int], int | None]:
+    """The stranded joiners among ``failed`` (``stranded_joiners``), and the largest size
+    whose scale-down removes every failed rank when all of them joined by scale-up (else
+    None). The scale-down removes them with the live ranks above, which drain as in any
+    scale-down (a dead leaving rank leaves anyway). None also when that size is below the
+    smallest one accepted."""
     down = frozenset(failed)
+    stranded = stranded_joiners(down, current_size, launch_size=launch_size)
     launch = current_size if launch_size is None else launch_size
-    if not stranded_joiners(down, current_size, launch_size=launch_size) \
-            or min(down) < launch:
-        return None
+    if not stranded or min(down) < launch:
+        return stranded, None
     size = min(down) // attn_replica_size * attn_replica_size
-    return size if _size_accepted(size, min_size, attn_replica_size) else None
+    return stranded, size if _size_accepted(size, min_size, attn_replica_size) else None
 
 
 def _no_way_back(failed: frozenset[int], stranded: frozenset[int], current_size: int) -> str:
@@ -435,9 +436,10 @@ def _judge(
 
     removable = frozenset(range(target, current_size))
     removal_target = _removal_target(failed, current_size, topology)
-    stranded = stranded_joiners(failed, current_size, launch_size=topology.launch_size)
-    past = stranded_joiners_target(failed, current_size, launch_size=topology.launch_size,
-                                   attn_replica_size=replica, min_size=topology.min_ep_size)
+    stranded, past = scale_down_past_stranded(failed, current_size,
+                                              launch_size=topology.launch_size,
+                                              attn_replica_size=replica,
+                                              min_size=topology.min_ep_size)
     if stranded and past is None:
         return _refuse(HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
                        _no_way_back(failed, stranded, current_size))

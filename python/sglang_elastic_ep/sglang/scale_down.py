@@ -108,15 +108,19 @@ class ScaleDownState:
         return machine if machine is not None and machine.removed and machine.draining \
             else None
 
-    def take_called_off(self, state: Any, kind: StepKind, agreed_target: int) -> str | None:
+    def take_called_off(self, state: Any, kind: StepKind, agreed_target: int,
+                        operation_id: str | None = None) -> str | None:
         """Why the request that just arrived (to shrink to a size, or to remove ranks: its
-        ``agreed_target``) was already called off by the other ranks (on a pass before this
-        rank read it); None for any other request. Answered once: a later request for the
-        same change is a new one."""
+        ``agreed_target``) was already called off: by the other ranks on a pass before this
+        rank read it, or, for the drain confirmation of ``operation_id``, by this rank itself
+        (``ScaleDownMachine.answers_called_off_confirmation``); None for any other request.
+        Answered once: a later request for the same change is a new one."""
         called_off, self.called_off = self.called_off, None
         if called_off is not None and called_off[:2] == (kind, agreed_target) \
                 and state.pending_ep_size is None:
             return called_off[2]
+        if self.machine is not None:
+            return self.machine.answers_called_off_confirmation(operation_id)
         return None
 
     def enter_phase(self, state: Any, phase: Phase) -> None:
@@ -216,10 +220,9 @@ def handle_scale_request(original: Any, scheduler: Any, recv_req: Any) -> Any:
         return original(scheduler, recv_req)
 
     old = state.effective_ep_size
-    called_off = down.take_called_off(state, StepKind.SHRINK, new)
+    called_off = down.take_called_off(state, StepKind.SHRINK, new,
+                                      request_operation_id(recv_req))
     machine = down.machine
-    if called_off is None and machine is not None:
-        called_off = machine.answers_called_off_confirmation(request_operation_id(recv_req))
     if called_off is not None:
         return ScaleElasticEPReqOutput(success=False, message=called_off, old_ep_size=old,
                                        new_ep_size=new, scale_phase=state.scale_phase)
@@ -285,9 +288,8 @@ def _handle_removal(scheduler: Any, state: Any, ranks: tuple[int, ...],
             return answer(True, f"drain of ranks {list(ranks)} confirmed", Phase.DRAINING)
         if machine.answers_late_confirmation(size, ranks):
             return answer(True, f"ranks {list(ranks)} already removed")
-    called_off = down.take_called_off(state, StepKind.REMOVE, ranks_bitmask(ranks))
-    if called_off is None and machine is not None:
-        called_off = machine.answers_called_off_confirmation(operation_id)
+    called_off = down.take_called_off(state, StepKind.REMOVE, ranks_bitmask(ranks),
+                                      operation_id)
     if called_off is not None:
         return answer(False, called_off)
     error = removal_refusal(state, ranks)

@@ -112,15 +112,14 @@ class UpstreamEngine:
                 SCHEDULER_ANSWER_TIMEOUT_S,
             )
         except asyncio.TimeoutError:
-            self._undo(op, dead)
+            self._undo(op, restore_fan_out=bool(dead))
             raise RuntimeError(
                 f"the schedulers did not answer within {SCHEDULER_ANSWER_TIMEOUT_S:g} s"
             ) from None
-        finally:
-            if dead and drain:  # the drain confirmation and the commit set their own
-                self._tm.update_control_communicator_fan_out(int(self._tm.elastic_worker_count))
+        if dead and drain:  # the drain confirmation and the commit set their own fan-out
+            self._tm.update_control_communicator_fan_out(int(self._tm.elastic_worker_count))
         if not result.success:
-            self._undo(op, dead)
+            self._undo(op, restore_fan_out=bool(dead) and not drain)
             if op.kind is OperationKind.SCALE_DOWN:
                 raise EngineRefusal(result.message)
             raise RuntimeError(result.message)
@@ -144,10 +143,10 @@ class UpstreamEngine:
             return False, refused[0]
         return True, answers[0].message if answers else "cancel requested"
 
-    def _undo(self, op: Operation, dead: frozenset[int]) -> None:
+    def _undo(self, op: Operation, *, restore_fan_out: bool) -> None:
         """A refused or unanswered request changes nothing here either."""
         self._router.stop_draining()
-        if op.kind is OperationKind.SCALE_DOWN and dead:
+        if op.kind is OperationKind.SCALE_DOWN and restore_fan_out:
             self._tm.update_control_communicator_fan_out(self._tm.elastic_worker_count)
 
     @property
