@@ -1,9 +1,11 @@
 """The cost of elastic mode, side by side in one run: the same 2-rank server (NIXL EP, DP
-attention) with elastic EP off, with ``--elastic-ep-backend mooncake --max-ep-size 4``, and
+attention) with elastic EP off, with ``--elastic-ep-backend mooncake --max-ep-size 4`` (with
+Mooncake's worker parked through each forward pass, the CPU bed's default, and without), and
 with ``--elastic-ep-backend mooncake`` alone; the same requests (2 clients, 16-token greedy,
-back to back). Per configuration: requests/s, latency p50 / p99, and where rank 0's scheduler
-spends its time, from py-spy samples of its scheduler thread taken during the measured window
-(the share of samples in each kind of work, by the innermost Python frame).
+back to back). The configurations take turns, ``--rounds`` times. Per configuration and round:
+requests/s and latency p50 / p99; from the first round, the cores rank 0's scheduler threads
+used and where its scheduler thread spends its time, from py-spy samples taken during the
+measured window (the share of samples in each kind of work, by the innermost Python frame).
 
 Writes docs/benchmarks.md section ``elastic_overhead``.
 """
@@ -28,15 +30,15 @@ from _scenario import WARM_UP_S  # noqa: E402
 
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.procs import py_spy  # noqa: E402
-from sglang_elastic_ep_testbed.cpu.idle import ENV_SPINNERS_IDLE_CLASS  # noqa: E402
+from sglang_elastic_ep_testbed.cpu.idle import ENV_PARK_SPINNERS_IN_FORWARD  # noqa: E402
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
 
 CONFIGS: dict[str, dict] = {
     "elastic off": dict(elastic=False, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
-    "mooncake, --max-ep-size 4, worker in SCHED_IDLE": dict(
-        elastic=True, max_ep_size=4, extra_args=[], env={ENV_SPINNERS_IDLE_CLASS: "1"}),
-    "mooncake": dict(elastic=True, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
     "mooncake, --max-ep-size 4": dict(elastic=True, max_ep_size=4, extra_args=[]),
+    "mooncake, --max-ep-size 4, worker spinning through the pass": dict(
+        elastic=True, max_ep_size=4, extra_args=[], env={ENV_PARK_SPINNERS_IN_FORWARD: "0"}),
+    "mooncake": dict(elastic=True, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
 }
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "barrier", "reduce_scatter",
                "all_to_all", "gather", "scatter", "send", "recv")
@@ -149,39 +151,57 @@ def measure_cluster(spec: ClusterSpec, measure_s: float) -> dict:
     }
 
 
+def per_round(rounds: list[dict], key: str, fmt: str) -> str:
+    """One table cell: the figure of each round, in order."""
+    return " / ".join(format(r[key], fmt) for r in rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure-seconds", type=float, default=30.0)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times each configuration is measured, taking turns")
     args = parser.parse_args()
-    figures = {name: measure(name, args.measure_seconds) for name in CONFIGS}
-    print({k: {**v, "samples": dict(v["samples"])} for k, v in figures.items()}, flush=True)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     names = list(CONFIGS)
+    figures: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            figures[name].append(measure(name, args.measure_seconds))
+    print({k: [{**r, "samples": dict(r["samples"])} for r in v] for k, v in figures.items()},
+          flush=True)
+    rounds = " / ".join(f"round {i + 1}" for i in range(args.rounds))
     lines = [
         *section_head("The cost of elastic mode (2 ranks, same load)",
                       "Tiny model, 2 ranks, `--moe-a2a-backend nixl`, DP attention, 2 clients "
                       "sending 16-token greedy requests back to back; "
-                      f"{args.measure_seconds:.0f} s measured after a warm-up. The breakdown "
-                      "is py-spy's samples of rank 0's scheduler thread over the same window, "
-                      "by the innermost Python frame (a collective's own time is its wait)."),
+                      f"{args.measure_seconds:.0f} s measured after a warm-up, the "
+                      f"configurations taking turns ({rounds}). The cores used and the "
+                      "breakdown are from the first round: py-spy's samples of rank 0's "
+                      "scheduler thread over the same window, by the innermost Python frame "
+                      "(a collective's own time is its wait)."),
         "| measure | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
-        "| requests/s | " + " | ".join(f"{figures[n]['req_s']:.2f}" for n in names) + " |",
-        "| latency p50 (ms) | " + " | ".join(f"{figures[n]['p50_ms']:.0f}" for n in names)
+        "| requests/s | " + " | ".join(per_round(figures[n], "req_s", ".2f") for n in names)
         + " |",
-        "| latency p99 (ms) | " + " | ".join(f"{figures[n]['p99_ms']:.0f}" for n in names)
+        "| latency p50 (ms) | " + " | ".join(per_round(figures[n], "p50_ms", ".0f")
+                                           for n in names) + " |",
+        "| latency p99 (ms) | " + " | ".join(per_round(figures[n], "p99_ms", ".0f")
+                                           for n in names) + " |",
+        "| failed requests | " + " | ".join(per_round(figures[n], "failed", "d") for n in names)
         + " |",
-        "| failed requests | " + " | ".join(str(figures[n]["failed"]) for n in names) + " |",
     ]
+    first = {n: figures[n][0] for n in names}
     for part in ("main thread", "busiest other thread", "all other threads"):
         lines.append(f"| rank 0 scheduler, cores used: {part} | "
-                     + " | ".join(f"{figures[n]['cpu'][part]:.2f}" for n in names) + " |")
-    kinds = sorted({k for n in names for k in figures[n]["samples"]})
+                     + " | ".join(f"{first[n]['cpu'][part]:.2f}" for n in names) + " |")
+    shares = {n: {k: 100 * v / (sum(first[n]["samples"].values()) or 1)
+                  for k, v in first[n]["samples"].items()} for n in names}
+    kinds = sorted({k for n in names for k, share in shares[n].items() if share >= 0.5})
     for kind in kinds:
-        cells = []
-        for n in names:
-            total = sum(figures[n]["samples"].values()) or 1
-            cells.append(f"{100 * figures[n]['samples'][kind] / total:.0f} %")
-        lines.append(f"| rank 0 samples: {kind} | " + " | ".join(cells) + " |")
+        lines.append(f"| rank 0 samples: {kind} | "
+                     + " | ".join(f"{shares[n].get(kind, 0.0):.0f} %" for n in names) + " |")
     write_section("elastic_overhead", "\n".join(lines))
 
 

@@ -1,12 +1,13 @@
-/* Park a busy-spinning native thread of this process while the process is idle.
+/* Park a busy-spinning native thread of this process while it is not needed.
  *
  * Mooncake PG's worker thread polls its task table in an endless loop
  * (mooncake-pg/src/mooncake_worker_thread.cpp: `while (running_) { PAUSE(); ... }`),
  * one core per process even when no collective is in flight. The CPU engine parks it
- * between scheduler passes: eep_park() sends the thread a real-time signal whose handler
- * sleeps on a futex until eep_unpark(). Only async-signal-safe calls run in the handler.
- * A park also ends by itself after max_park_ns: if a collective ever started while the
- * worker was parked, it would be delayed by that much, never hung.
+ * while a scheduler idles and through each forward pass: eep_park() sends the thread a
+ * real-time signal whose handler sleeps on a futex until eep_unpark(). Only
+ * async-signal-safe calls run in the handler. A park also ends by itself after
+ * max_park_ns: if a collective ever started while the worker was parked, it would be
+ * delayed by that much, never hung.
  */
 #define _GNU_SOURCE
 #include <linux/futex.h>

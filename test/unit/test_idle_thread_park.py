@@ -164,3 +164,49 @@ def test_the_idle_class_setting_rejects_bad_values(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(idle.ENV_SPINNERS_IDLE_CLASS, "sometimes")
     with pytest.raises(ValueError, match="SGLANG_EEP_SPINNERS_IDLE_CLASS"):
         idle.spinners_idle_class_enabled()
+
+
+@pytest.mark.parametrize("park_in_forward", [True, False])
+def test_the_forward_pass_runs_with_the_spinner_parked_unless_turned_off(
+        spinner: int, park_in_forward: bool) -> None:
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep_testbed.cpu import idle
+
+    library = thread_park_library_path()
+    if not library.exists():
+        pytest.skip(f"{library} not built (scripts/setup.sh builds it)")
+    parker = ThreadParker(library, max_park_ms=600_000)
+    parker.tids = [spinner]
+    sleeper = idle.ShortPollIdleSleeper([], 50, parker, park_in_forward=park_in_forward)
+    scheduler = SimpleNamespace(idle_sleeper=sleeper)
+    seen: dict[str, int] = {}
+
+    def run_batch(sched: object, batch: str) -> str:
+        if park_in_forward:
+            wait_until(lambda: parker.parked_count() == 1, 60, "the spinner parked",
+                       poll_s=0.01)
+        else:
+            wait_spinning(spinner)
+        seen["parked"] = parker.parked_count()
+        return f"ran {batch}"
+
+    try:
+        assert idle.forward_pass(run_batch, scheduler, "batch 1") == "ran batch 1"
+    finally:
+        parker.unpark()
+    assert seen["parked"] == int(park_in_forward)
+    wait_until(lambda: parker.parked_count() == 0, 60, "the spinner released", poll_s=0.01)
+    wait_spinning(spinner)
+
+
+def test_the_forward_pass_setting_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep_testbed.cpu import idle
+
+    monkeypatch.delenv(idle.ENV_PARK_SPINNERS_IN_FORWARD, raising=False)
+    assert idle.park_spinners_in_forward_enabled()  # on by default
+    monkeypatch.setenv(idle.ENV_PARK_SPINNERS_IN_FORWARD, "0")
+    assert not idle.park_spinners_in_forward_enabled()
+    monkeypatch.setenv(idle.ENV_PARK_SPINNERS_IN_FORWARD, "often")
+    with pytest.raises(ValueError, match="SGLANG_EEP_PARK_SPINNERS_IN_FORWARD"):
+        idle.park_spinners_in_forward_enabled()

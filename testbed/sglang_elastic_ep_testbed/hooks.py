@@ -62,6 +62,9 @@ HOOKS: tuple[Hook, ...] = (
               "enters the collective) to show what a stall report says"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.on_idle", "cpu.idle:idle_pass", "AROUND",
               "Mooncake's spinning worker stays parked during idle housekeeping and the poll"),
+    _cpu_hook(f"{S}managers.scheduler.Scheduler.run_batch", "cpu.idle:forward_pass", "AROUND",
+              "Mooncake's spinning worker stays parked through the forward pass (its MoE "
+              "tokens go over NIXL), leaving the core to the schedulers"),
     _cpu_hook(f"{S}server_args.wait_port_available", "cpu.shared_host:wait_port_available",
               "AROUND",
               "a node relaunched on node 0's host (CPU cluster) must not wait for node 0's ports"),

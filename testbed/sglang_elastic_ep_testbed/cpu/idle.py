@@ -1,4 +1,4 @@
-"""Cheap idle ranks on the CPU engine.
+"""Cheap idle ranks, and a busy rank that keeps its cores, on the CPU engine.
 
 Two things spin an idle CPU rank. (1) With DP attention every idle scheduler still runs its
 loop, and each pass all-gathers token counts with the other ranks. (2) Mooncake PG's worker
@@ -16,6 +16,12 @@ start late, see ``find_spinning_native_threads``) are parked with
 ``scripts/native/thread_park.c``: a real-time signal whose handler sleeps on a futex until
 released. They stay parked for the whole of ``Scheduler.on_idle`` (housekeeping, then the
 poll), which runs no Mooncake collective. A park also ends by itself after ``MAX_PARK_MS``.
+
+A busy rank parks them too, through each forward pass (``Scheduler.run_batch``,
+``SGLANG_EEP_PARK_SPINNERS_IN_FORWARD=0`` turns it off): the pass moves its MoE tokens over
+NIXL and runs no Mooncake collective, and a spinning worker beside it took about half a core
+from the schedulers on a 2-core machine (docs/benchmarks.md, "The cost of elastic mode"). The
+worker runs again for the DP gather between passes, which does need it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 ENV_IDLE_POLL_MS = "SGLANG_EEP_IDLE_POLL_MS"
 ENV_PARK_SPINNERS = "SGLANG_EEP_IDLE_PARK_SPINNERS"
+ENV_PARK_SPINNERS_IN_FORWARD = "SGLANG_EEP_PARK_SPINNERS_IN_FORWARD"
 ENV_THREAD_PARK_LIB = "SGLANG_EEP_THREAD_PARK_LIB"
 ENV_SPINNERS_IDLE_CLASS = "SGLANG_EEP_SPINNERS_IDLE_CLASS"
 # Every idle pass still runs the DP token-count all-gather (and the membership agreement) over
@@ -60,15 +67,24 @@ def idle_poll_ms() -> float:
     return value
 
 
+def env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "1" if default else "0").strip().lower()
+    if raw not in {"0", "1", "false", "true", "no", "yes"}:
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw in {"1", "true", "yes"}
+
+
 def park_spinners_enabled() -> bool:
     """On by default. It was off for a while because joins went wrong with it on (2 of 4
     stall-hunt runs); the cause turned out to be elsewhere (an idle membership step that ran on
     the joiner but not the others, sglang/scale_progress.py) and with that fixed, parking on
     gave 4 of 4 clean joins (benchmark/hunt_join_stalls.py)."""
-    raw = os.environ.get(ENV_PARK_SPINNERS, "1").strip().lower()
-    if raw not in {"0", "1", "false", "true", "no", "yes"}:
-        raise ValueError(f"{ENV_PARK_SPINNERS} must be 0 or 1, got {raw!r}")
-    return raw in {"1", "true", "yes"}
+    return env_flag(ENV_PARK_SPINNERS, default=True)
+
+
+def park_spinners_in_forward_enabled() -> bool:
+    """On by default; needs parking at idle on too (that is where the spinners are found)."""
+    return env_flag(ENV_PARK_SPINNERS_IN_FORWARD, default=True)
 
 
 def spinners_idle_class_enabled() -> bool:
@@ -78,10 +94,7 @@ def spinners_idle_class_enabled() -> bool:
     (docs/benchmarks.md, "The cost of elastic mode"). Not the default: in the one CI run with
     it on, three ranks on two cores stalled in the CPU data plane for 30 s right after a
     replacement joined (docs/cpu-testbed.md); a starved worker is the suspect."""
-    raw = os.environ.get(ENV_SPINNERS_IDLE_CLASS, "0").strip().lower()
-    if raw not in {"0", "1", "false", "true", "no", "yes"}:
-        raise ValueError(f"{ENV_SPINNERS_IDLE_CLASS} must be 0 or 1, got {raw!r}")
-    return raw in {"1", "true", "yes"}
+    return env_flag(ENV_SPINNERS_IDLE_CLASS, default=False)
 
 
 def lower_to_idle_class(tids: list[int]) -> list[int]:
@@ -189,9 +202,10 @@ class ThreadParker:
 
 class ShortPollIdleSleeper:
     """Parks an idle scheduler on its request sockets for at most ``timeout_ms``; finds the
-    process's spinning native threads for ``parked_during_idle``."""
+    process's spinning native threads for ``spinners_parked``."""
 
-    def __init__(self, sockets: list[Any], timeout_ms: float, parker: ThreadParker | None) -> None:
+    def __init__(self, sockets: list[Any], timeout_ms: float, parker: ThreadParker | None,
+                 park_in_forward: bool = False) -> None:
         import zmq
 
         self.poller = zmq.Poller()
@@ -200,6 +214,7 @@ class ShortPollIdleSleeper:
                 self.poller.register(sock, zmq.POLLIN)
         self.timeout_ms = timeout_ms
         self.parker = parker
+        self.park_in_forward = park_in_forward and parker is not None
         self.next_search = 0.0
 
     def wait_on_sockets(self, seconds: float) -> None:
@@ -230,25 +245,39 @@ class ShortPollIdleSleeper:
 
 
 @contextmanager
-def parked_during_idle(scheduler: Any) -> Iterator[None]:
-    """Keeps the spinning native threads parked while ``Scheduler.on_idle`` runs (it runs no
-    collective); a no-op unless our sleeper found some."""
-    sleeper = getattr(scheduler, "idle_sleeper", None)
-    parker = sleeper.parker if isinstance(sleeper, ShortPollIdleSleeper) else None
+def spinners_parked(parker: ThreadParker | None) -> Iterator[None]:
+    """Keeps the spinning native threads parked while the body runs (it must run no Mooncake
+    collective); a no-op without a parker."""
     if parker is None:
         yield
         return
-    parker.park()  # the sleeper may add threads and park them too
+    parker.park()  # the idle sleeper may add threads and park them too
     try:
         yield
     finally:
         parker.unpark()
 
 
+def _sleeper(scheduler: Any) -> ShortPollIdleSleeper | None:
+    sleeper = getattr(scheduler, "idle_sleeper", None)
+    return sleeper if isinstance(sleeper, ShortPollIdleSleeper) else None
+
+
 def idle_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``Scheduler.on_idle``: Mooncake's spinning worker stays parked through the idle
     housekeeping and sleep. No collective runs here."""
-    with parked_during_idle(scheduler):
+    sleeper = _sleeper(scheduler)
+    with spinners_parked(sleeper.parker if sleeper is not None else None):
+        return original(scheduler, *args, **kwargs)
+
+
+def forward_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.run_batch``: Mooncake's spinning worker stays parked through the
+    forward pass, whose MoE tokens go over NIXL. Were a Mooncake collective ever to run in it,
+    it would wait at most ``MAX_PARK_MS`` for the worker."""
+    sleeper = _sleeper(scheduler)
+    parker = sleeper.parker if sleeper is not None and sleeper.park_in_forward else None
+    with spinners_parked(parker):
         return original(scheduler, *args, **kwargs)
 
 
@@ -273,7 +302,8 @@ def install_idle_sleeper(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         return
     channels = scheduler.ipc_channels
     sockets = [s for s in (channels.recv_from_tokenizer, channels.recv_from_rpc) if s is not None]
-    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout, make_thread_parker())
+    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout, make_thread_parker(),
+                                                  park_spinners_in_forward_enabled())
 
 
 def dp_controller_event_loop(controller: Any) -> None:
