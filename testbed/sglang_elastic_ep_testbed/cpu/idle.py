@@ -214,7 +214,7 @@ class ShortPollIdleSleeper:
                 self.poller.register(sock, zmq.POLLIN)
         self.timeout_ms = timeout_ms
         self.parker = parker
-        self.park_in_forward = park_in_forward and parker is not None
+        self.park_in_forward = park_in_forward
         self.next_search = 0.0
 
     def wait_on_sockets(self, seconds: float) -> None:
@@ -258,16 +258,20 @@ def spinners_parked(parker: ThreadParker | None) -> Iterator[None]:
         parker.unpark()
 
 
-def _sleeper(scheduler: Any) -> ShortPollIdleSleeper | None:
+def _parker(scheduler: Any, in_forward: bool) -> ThreadParker | None:
+    """The parker of ``scheduler``'s idle sleeper, if it parks there (idle, or the forward
+    pass)."""
     sleeper = getattr(scheduler, "idle_sleeper", None)
-    return sleeper if isinstance(sleeper, ShortPollIdleSleeper) else None
+    if not isinstance(sleeper, ShortPollIdleSleeper) or (in_forward
+                                                         and not sleeper.park_in_forward):
+        return None
+    return sleeper.parker
 
 
 def idle_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``Scheduler.on_idle``: Mooncake's spinning worker stays parked through the idle
     housekeeping and sleep. No collective runs here."""
-    sleeper = _sleeper(scheduler)
-    with spinners_parked(sleeper.parker if sleeper is not None else None):
+    with spinners_parked(_parker(scheduler, in_forward=False)):
         return original(scheduler, *args, **kwargs)
 
 
@@ -275,9 +279,7 @@ def forward_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> An
     """AROUND ``Scheduler.run_batch``: Mooncake's spinning worker stays parked through the
     forward pass, whose MoE tokens go over NIXL. Were a Mooncake collective ever to run in it,
     it would wait at most ``MAX_PARK_MS`` for the worker."""
-    sleeper = _sleeper(scheduler)
-    parker = sleeper.parker if sleeper is not None and sleeper.park_in_forward else None
-    with spinners_parked(parker):
+    with spinners_parked(_parker(scheduler, in_forward=True)):
         return original(scheduler, *args, **kwargs)
 
 
