@@ -171,9 +171,14 @@ HOOKS: tuple[Hook, ...] = (
          "sglang.scale_up_joiner:commit_joining", "AROUND",
          "a prepared joiner's admission, then its commit barrier with the serving ranks"),
     Hook(f"{S}model_executor.model_runner.ModelRunner._elastic_scale_ready_barrier",
-         "sglang.nixl_buffer_hooks:hook_connect_before_commit_barrier", "AROUND",
-         "NIXL handshakes with the new ranks before the commit, both sides at once; upstream "
-         "connects at the first dispatch after it, while every rank waits for the joiner"),
+         "sglang.commit_barrier:agreed_commit_barrier", "AROUND",
+         "NIXL handshakes with the new ranks before the commit, both sides at once (upstream "
+         "connects at the first dispatch after it); the barrier also agrees whether every "
+         "joiner is still in Mooncake's WORLD (its collectives skip one it gave up on)"),
+    Hook(f"{S}model_executor.model_runner.ModelRunner._finalize_scale_up",
+         "sglang.commit_barrier:mark_counted_out_after_commit", "AROUND",
+         "upstream's commit marks every new slot live: joiners the barrier counted out are "
+         "marked failed after it, so the survivors let their slots go"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.post_capture_elastic_ep_recover",
          "sglang.launch_recovery:rejoin_then_reload_moved_experts", "AROUND",
          "a replacement loaded its experts for the launch layout; EPLB or a scale-down may have "

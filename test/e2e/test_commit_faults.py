@@ -1,10 +1,13 @@
-"""A scale joiner killed with SIGKILL on the pass that admits it (docs/operations.md, "Faults").
+"""A scale joiner killed with SIGKILL, or stopped with SIGSTOP, on the pass that admits it
+(docs/operations.md, "Faults").
 
 Two launch ranks in one server (NIXL EP, ``--max-ep-size 4``, every expert on every rank), a
 steady greedy load; a scale joiner for rank 2 is launched and ``new_ep_size: 3`` posted; the
-joiner is killed the moment rank 0 logs that it enters the scale-up (the pass every rank agreed
-to admit it on). Where the kill lands decides which of two states follows, and both have an
-action that works:
+joiner is killed (or stopped) the moment rank 0 logs that it enters the scale-up (the pass every
+rank agreed to admit it on). A stopped joiner is a hung one: alive, its connections open, but it
+never acknowledges the admission, as a joiner stuck in Mooncake's ``join_group`` did
+(docs/cpu-testbed.md); the orchestrator kills it before it relaunches the slot. Where the fault
+lands decides which of two states follows, and both have an action that works:
 - before the commit: the scale-up fails, the size stays 2 and slot 2 is safe to terminate; a
   new joiner and a new POST grow the cluster to 3;
 - after it: the scale-up committed and rank 2 failed right after; the survivors let its slot
@@ -43,9 +46,10 @@ SCALE_TIMEOUT_S = 240  # --elastic-ep-scale-timeout (above the 120 s drain timeo
 # left pending fails by then
 
 
-@pytest.mark.long  # about 4 minutes: outside the suite
+@pytest.mark.long  # about 3 minutes each: outside the suite
 @pytest.mark.timeout(1800)
-def test_a_joiner_killed_on_the_pass_that_admits_it(tiny_model: Path) -> None:
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_joiner_killed_or_hung_on_the_pass_that_admits_it(tiny_model: Path, fault: str) -> None:
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
                        extra_args=["--ep-num-redundant-experts", "16",
                                    "--elastic-ep-scale-timeout", str(SCALE_TIMEOUT_S)])
@@ -62,9 +66,15 @@ def test_a_joiner_killed_on_the_pass_that_admits_it(tiny_model: Path) -> None:
             wait_until(lambda: "enters the scale-up to 3" in log_since(primary_log, offset),
                        CHANGE_S, "rank 0 entering the scale-up to 3", poll_s=0.02)
             kills.append(time.monotonic())
-            cluster.kill_server(joiner)
+            if fault == "killed":
+                cluster.kill_server(joiner)
+            else:
+                cluster.stop_server(joiner)
             done = wait_operation(url, "grow", SCALE_TIMEOUT_S + FAULT_SEEN_S)
-            print(f"[commit fault] the scale-up ended {done['result']}: {done}", flush=True)
+            print(f"[commit fault] joiner {fault}: the scale-up ended {done['result']}: {done}",
+                  flush=True)
+            if fault == "stopped":  # what the orchestrator does before it relaunches the slot
+                cluster.kill_server(joiner)
             if done["result"] == "succeeded":
                 wait_rank_state(url, 2, "failed", FAULT_SEEN_S)
                 wait_each_shard_serves(load, [0, 1], SERVES_S)

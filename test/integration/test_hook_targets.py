@@ -147,25 +147,6 @@ def test_nixl_around_hooks_are_upstream_without_elastic_ep(
 
 
 @pytest.mark.parametrize("enabled", [False, True])
-def test_the_commit_barrier_connects_first_only_with_elastic_ep(
-    monkeypatch: pytest.MonkeyPatch, enabled: bool
-) -> None:
-    from types import SimpleNamespace
-
-    from sglang_elastic_ep.sglang import nixl_buffer_hooks as nbh
-
-    calls: list[tuple] = []
-    monkeypatch.setattr(nbh, "elastic_ep_enabled", lambda: enabled)
-    monkeypatch.setattr(nbh, "prepare_data_plane",
-                        lambda model, *, connect: calls.append(("connect", model, connect)))
-    runner = SimpleNamespace(model="model")
-    nbh.hook_connect_before_commit_barrier(
-        lambda r, **kw: calls.append(("barrier", r, kw)), runner, target_size=3, log_tag="PRIMARY")
-    barrier = ("barrier", runner, {"target_size": 3, "log_tag": "PRIMARY"})
-    assert calls == ([("connect", "model", True), barrier] if enabled else [barrier])
-
-
-@pytest.mark.parametrize("enabled", [False, True])
 @pytest.mark.parametrize(("hook", "impl"), _AFTER, ids=[a[0] for a in _AFTER])
 def test_nixl_after_hooks_do_nothing_without_elastic_ep(
     monkeypatch: pytest.MonkeyPatch, enabled: bool, hook: str, impl: str
@@ -222,5 +203,5 @@ def test_nixl_rows_live_only_in_the_hook_table() -> None:
 
     assert "HOOKS" not in vars(nbh), "hooks.HOOKS is the one list; nixl_buffer_hooks derives"
     rows = [h for h in hooks.HOOKS if h.impl.startswith("sglang.nixl_buffer_hooks:")]
-    assert len(rows) == 7
+    assert len(rows) == 6
     assert nbh.HOOKS == [(h.target, h.resolve(), h.kind, h.why) for h in rows]

@@ -408,15 +408,6 @@ def hook_nixl_get_nixl_buffer(
     return nixl_get_nixl_buffer(cls, *args, **kwargs)
 
 
-def hook_connect_before_commit_barrier(original: Callable[..., Any], runner: Any,
-                                       *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``ModelRunner._elastic_scale_ready_barrier``: connect to the ranks this scale-up
-    adds (:func:`prepare_data_plane`), then meet at the barrier."""
-    if elastic_ep_enabled():
-        prepare_data_plane(runner.model, connect=True)
-    return original(runner, *args, **kwargs)
-
-
 def hook_is_active_equal_last(original: Callable[..., Any], self: Any) -> bool:
     """AROUND ``ElasticEPState.is_active_equal_last`` -> :func:`state_is_active_equal_last`."""
     if not elastic_ep_enabled():

@@ -14,7 +14,7 @@ before it registers. Graph capture runs the model over the expanded WORLD, so a 
 captures graphs keeps upstream's order, and so does a joiner started with
 ``SGLANG_EEP_JOINER_PREPARE=0`` (to compare the two, or as a fallback). At the commit every rank
 connects its NIXL buffer to the new ranks before the barrier
-(``nixl_buffer_hooks.hook_connect_before_commit_barrier``).
+(``commit_barrier.agreed_commit_barrier``).
 
 The hooks tell the machine when each step returned, so the joiner's log says which step it is
 in, and how long each took once it serves; a step that raises ends the machine in FAILED with

@@ -27,6 +27,7 @@ from sglang_elastic_ep_testbed.cluster.procs import (
     kill_tree,
     process_tree,
     processes_tagged,
+    stop_tree,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.cpu.shared_host import ENV_SHARED_HOST_NODE
@@ -430,6 +431,13 @@ class LocalCluster:
         server.killed = True
         kill_tree(server.pid, hard=True)
         server.popen.wait(timeout=10)
+        return server.pid
+
+    @staticmethod
+    def stop_server(server: ServerProcess) -> int:
+        """SIGSTOP every process of one server: a hung process, alive to the kernel and to its
+        open connections but answering nothing; its pid. ``kill_server`` ends it later."""
+        stop_tree(server.pid)
         return server.pid
 
     @staticmethod

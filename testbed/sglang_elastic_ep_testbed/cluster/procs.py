@@ -98,6 +98,19 @@ def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:
         raise RuntimeError(f"processes survived SIGKILL: {[p.pid for p in procs]}")
 
 
+def stop_tree(pid: int) -> None:
+    """SIGSTOP ``pid``, its session and its descendants (``kill_tree`` still ends them)."""
+    for proc in process_tree(pid):
+        try:
+            proc.send_signal(signal.SIGSTOP)
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(pid, signal.SIGSTOP)  # the server was started in its own session
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def processes_tagged(name: str, value: str) -> list[psutil.Process]:
     """Live processes whose environment holds ``name=value``: a cluster's processes carry its
     own tag, so one that escaped its server's tree (reparented to init) is still found by what

@@ -1,0 +1,134 @@
+"""A scale-up's commit barrier as an agreement on whether every joiner made it into WORLD.
+
+The serving ranks and the joiners meet in one barrier over WORLD before the commit
+(``ModelRunner._elastic_scale_ready_barrier``). Mooncake can put a joiner into the view and
+then give up on it: its agent did not acknowledge the view update in time (a joiner that
+registered while the slot's previous process still counted as healthy stayed stuck in
+``join_group``), or it died. Its peers then count it out of WORLD and their collectives skip
+it, so the barrier passed without it and every serving rank committed the new size with the
+joiner's slot marked live. Nothing noticed on an idle cluster (no forward pass to fail on it):
+the status showed the scale-up serving at the new size with a slot that never served, and the
+next control request waited for that shard's scheduler until it timed out.
+
+So the barrier is an all-reduce instead, one collective as before: each member adds 1 when it
+counts some joiner out of Mooncake's WORLD (a joiner adds 0). Every member reads the same sum:
+
+- 0: the commit goes ahead as upstream's.
+- more: the serving ranks commit (upstream commits right after the barrier) and then mark the
+  joiners failed in their mask (:func:`mark_counted_out_after_commit`), all on the same pass,
+  so the next pass's agreement lets their slots go (``tail_recovery``), as for a joiner that
+  dies just after its commit. A joiner that reached the barrier although some serving rank
+  counted it out stops with an error: the others are about to let its slot go, and a relaunch
+  in recover mode brings it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sglang_elastic_ep.sglang.nixl_buffer_hooks import prepare_data_plane
+from sglang_elastic_ep.sglang.operation_log import get_logger
+from sglang_elastic_ep.sglang.upstream import attached_state, elastic_ep_enabled, elastic_state
+from sglang_elastic_ep.sglang.world_view import world_members_alive
+
+logger = get_logger(__name__)
+
+_STATE_ATTR = "_sglang_eep_commit_barrier"
+
+
+class CountedOutOfWorld(RuntimeError):
+    """A joiner met the serving ranks at the commit, but some of them had counted it out."""
+
+
+@dataclass
+class CommitBarrierState:
+    # The joiners this rank's last commit barrier agreed were counted out of WORLD; marked
+    # failed once upstream's commit (which marks every slot of the new size live) returned.
+    counted_out: tuple[int, ...] = ()
+
+
+def agree_at_commit(joining: Sequence[int], counts_out: Callable[[Sequence[int]], bool],
+                    all_reduce_sum: Callable[[int], int]) -> bool:
+    """Whether every member counts every one of ``joining`` as in WORLD: this rank's answer
+    (``counts_out``; a joiner passes no ranks) summed over the barrier's members."""
+    mine = 1 if joining and counts_out(joining) else 0
+    return all_reduce_sum(mine) == 0
+
+
+def counts_a_joiner_out(joining: Sequence[int]) -> bool:
+    """Whether this rank's Mooncake WORLD view no longer counts some of ``joining`` as live
+    members (offline, or never acknowledged the admission)."""
+    return not all(world_members_alive(list(joining)))
+
+
+def _world_sum(like: torch.Tensor) -> Callable[[int], int]:
+    def reduce(value: int) -> int:
+        total = like.new_tensor([value])
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
+        return int(total.item())  # a membership step, not the forward pass: one host read
+
+    return reduce
+
+
+def agreed_commit_barrier(original: Callable[..., Any], runner: Any, target_size: int,
+                          log_tag: str) -> None:
+    """AROUND ``ModelRunner._elastic_scale_ready_barrier`` (the serving ranks from
+    ``_finalize_scale_up``, a joiner from ``_finalize_elastic_ep_joiner``): connect the NIXL
+    data plane to the new ranks (both sides at once, instead of at the first dispatch after the
+    commit), then meet in the agreed barrier (see the module docstring)."""
+    state = elastic_state()
+    if not elastic_ep_enabled() or state is None:
+        return original(runner, target_size=target_size, log_tag=log_tag)
+    prepare_data_plane(runner.model, connect=True)
+    from sglang.srt.runtime_context import get_exec
+
+    is_joiner = bool(get_exec().moe.is_ep_scale_joiner)
+    joining = () if is_joiner else tuple(range(int(state.effective_ep_size), int(target_size)))
+    agreed = agree_at_commit(joining, counts_a_joiner_out, _world_sum(state.active_ranks))
+    if agreed:
+        return None
+    rank = dist.get_rank()
+    if is_joiner:
+        raise CountedOutOfWorld(
+            f"rank {rank}: the serving ranks counted this joiner out of Mooncake's WORLD during "
+            f"its admission to EP size {target_size}; they let its slot go. Relaunch it with "
+            "--ep-join-mode recover")
+    attached_state(state, _STATE_ATTR, CommitBarrierState).counted_out = joining
+    logger.warning("[elastic-ep] rank %d: at the commit to EP size %d some rank counted joiners "
+                   "%s out of Mooncake's WORLD (admission not acknowledged, or the process "
+                   "died): the commit goes ahead and their slots are marked failed",
+                   rank, target_size, list(joining))
+    return None
+
+
+def mark_counted_out_after_commit(original: Callable[..., Any], runner: Any,
+                                  *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``ModelRunner._finalize_scale_up``: after upstream's commit (it marks every slot
+    of the new size live), mark the joiners the barrier counted out failed, as a dispatcher
+    does for a peer that stops answering; the next pass lets their slots go."""
+    result = original(runner, *args, **kwargs)
+    state = elastic_state()
+    if state is None:
+        return result
+    holder = attached_state(state, _STATE_ATTR, CommitBarrierState)
+    counted_out, holder.counted_out = holder.counted_out, ()
+    if counted_out:
+        mark_failed(state, counted_out)
+        logger.warning("[elastic-ep] rank %d: joiners %s marked failed after the commit to EP "
+                       "size %d: the survivors let their slots go on the next pass; relaunch "
+                       "them with --ep-join-mode recover", dist.get_rank(), list(counted_out),
+                       state.effective_ep_size)
+    return result
+
+
+def mark_failed(state: Any, ranks: Sequence[int]) -> None:
+    """Clear ``ranks`` in the state's mask and its host copy (not in its snapshot: upstream's
+    fault check then sees the change, as for a rank the dispatcher found dead)."""
+    for rank in ranks:
+        state.active_ranks[rank] = 0
+    state.sync_active_to_cpu()

@@ -1,0 +1,150 @@
+"""The scale-up's commit barrier agrees whether every joiner is still in Mooncake's WORLD."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_elastic_ep.sglang import commit_barrier
+from sglang_elastic_ep.sglang.commit_barrier import (
+    CountedOutOfWorld,
+    agree_at_commit,
+    agreed_commit_barrier,
+    mark_counted_out_after_commit,
+)
+
+
+def summing(others: int, sent: list[int]) -> Callable[[int], int]:
+    """The all-reduce of the barrier: this rank's value plus what the other members sent."""
+    def reduce(value: int) -> int:
+        sent.append(value)
+        return value + others
+
+    return reduce
+
+
+def test_every_member_counting_every_joiner_in_lets_the_commit_go_ahead() -> None:
+    sent: list[int] = []
+    assert agree_at_commit([2], lambda ranks: False, summing(0, sent)) is True
+    assert sent == [0]
+
+
+def test_a_rank_that_counts_a_joiner_out_turns_every_member_the_same_way() -> None:
+    sent: list[int] = []
+    asked: list[Sequence[int]] = []
+
+    def counts_out(ranks: Sequence[int]) -> bool:
+        asked.append(tuple(ranks))
+        return True
+
+    assert agree_at_commit([2, 3], counts_out, summing(0, sent)) is False
+    assert sent == [1] and asked == [(2, 3)]
+    # A rank that counts them in reads the same sum when another member counted them out.
+    assert agree_at_commit([2, 3], lambda ranks: False, summing(1, [])) is False
+
+
+def test_a_joiner_adds_nothing_and_asks_nothing() -> None:
+    sent: list[int] = []
+
+    def never(ranks: Sequence[int]) -> bool:
+        raise AssertionError("a joiner does not judge itself")
+
+    assert agree_at_commit((), never, summing(0, sent)) is True
+    assert sent == [0]
+    assert agree_at_commit((), never, summing(2, [])) is False
+
+
+class FakeState(SimpleNamespace):
+    def sync_active_to_cpu(self) -> None:
+        self.active_ranks_cpu = self.active_ranks.clone()
+
+
+@pytest.fixture
+def barrier(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """``agreed_commit_barrier`` on a fake serving rank at EP size 2 going to 3."""
+    import sglang.srt.runtime_context as runtime_context
+
+    calls: list[Any] = []
+    state = FakeState(active_ranks=torch.tensor([1, 1, 1, 0], dtype=torch.int32),
+                      active_ranks_cpu=torch.tensor([1, 1, 1, 0], dtype=torch.int32),
+                      effective_ep_size=2)
+    env = SimpleNamespace(state=state, calls=calls, alive=[True], others=0, enabled=True,
+                          joiner=False, sent=[])
+    monkeypatch.setattr(commit_barrier, "elastic_ep_enabled", lambda: env.enabled)
+    monkeypatch.setattr(commit_barrier, "elastic_state", lambda: env.state)
+    monkeypatch.setattr(commit_barrier, "prepare_data_plane",
+                        lambda model, *, connect: calls.append(("connect", connect)))
+    monkeypatch.setattr(commit_barrier, "world_members_alive",
+                        lambda ranks: [env.alive[i] for i, _ in enumerate(ranks)])
+    monkeypatch.setattr(commit_barrier, "_world_sum", lambda like: summing(env.others, env.sent))
+    monkeypatch.setattr(commit_barrier.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(runtime_context, "get_exec",
+                        lambda: SimpleNamespace(moe=SimpleNamespace(is_ep_scale_joiner=env.joiner)))
+    env.runner = SimpleNamespace(model="model")
+
+    def run() -> Any:
+        return agreed_commit_barrier(lambda *a, **k: calls.append("upstream barrier"),
+                                     env.runner, target_size=3, log_tag="PRIMARY")
+
+    def commit() -> None:
+        """Upstream's commit: the new size, every slot of it live (``ElasticEPState.reset``)."""
+        calls.append("commit")
+        state.effective_ep_size = 3
+        state.active_ranks[:3] = 1
+        state.sync_active_to_cpu()
+
+    env.run = run
+    env.finalize = lambda: mark_counted_out_after_commit(lambda r: commit(), env.runner)
+    return env
+
+
+def test_the_barrier_connects_then_agrees_instead_of_upstreams_barrier(
+        barrier: SimpleNamespace) -> None:
+    assert barrier.run() is None
+    assert barrier.calls == [("connect", True)] and barrier.sent == [0]
+    barrier.finalize()
+    assert barrier.state.active_ranks.tolist() == [1, 1, 1, 0]
+    assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 1, 0]
+
+
+def test_a_joiner_counted_out_is_marked_failed_after_the_commit(
+        barrier: SimpleNamespace) -> None:
+    barrier.alive = [False]
+    barrier.run()
+    assert barrier.sent == [1]
+    barrier.finalize()
+    assert barrier.calls[-1] == "commit" and barrier.state.effective_ep_size == 3
+    assert barrier.state.active_ranks.tolist() == [1, 1, 0, 0]
+    assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0]
+    # Marked once: the next scale-up's commit starts clean.
+    barrier.state.effective_ep_size = 2
+    barrier.finalize()
+    assert barrier.state.active_ranks.tolist() == [1, 1, 1, 0]
+
+
+def test_another_rank_counting_the_joiner_out_marks_it_failed_here_too(
+        barrier: SimpleNamespace) -> None:
+    barrier.others = 1
+    barrier.run()
+    assert barrier.sent == [0]
+    barrier.finalize()
+    assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0]
+
+
+def test_a_joiner_the_serving_ranks_counted_out_stops_with_the_way_back(
+        barrier: SimpleNamespace) -> None:
+    barrier.joiner, barrier.others = True, 1
+    with pytest.raises(CountedOutOfWorld, match="--ep-join-mode recover"):
+        barrier.run()
+    barrier.others = 0
+    assert barrier.run() is None
+
+
+def test_without_elastic_ep_upstreams_barrier_runs(barrier: SimpleNamespace) -> None:
+    barrier.enabled = False
+    barrier.run()
+    assert barrier.calls == ["upstream barrier"] and barrier.sent == []
