@@ -176,9 +176,10 @@ HOOKS: tuple[Hook, ...] = (
          "connects at the first dispatch after it); the barrier also agrees whether every "
          "joiner is still in Mooncake's WORLD (its collectives skip one it gave up on)"),
     Hook(f"{S}model_executor.model_runner.ModelRunner._finalize_scale_up",
-         "sglang.commit_barrier:mark_counted_out_after_commit", "AROUND",
-         "upstream's commit marks every new slot live: joiners the barrier counted out are "
-         "marked failed after it, so the survivors let their slots go"),
+         "sglang.commit_barrier:serving_rank_commit", "AROUND",
+         "tells the barrier inside it this rank's side (a rank that joined earlier keeps the "
+         "joiner flag); upstream's commit marks every new slot live: joiners the barrier "
+         "counted out are marked failed after it, so the survivors let their slots go"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.post_capture_elastic_ep_recover",
          "sglang.launch_recovery:rejoin_then_reload_moved_experts", "AROUND",
          "a replacement loaded its experts for the launch layout; EPLB or a scale-down may have "

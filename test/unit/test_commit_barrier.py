@@ -14,7 +14,7 @@ from sglang_elastic_ep.sglang.commit_barrier import (
     CountedOutOfWorld,
     agree_at_commit,
     agreed_commit_barrier,
-    mark_counted_out_after_commit,
+    serving_rank_commit,
 )
 
 
@@ -65,15 +65,14 @@ class FakeState(SimpleNamespace):
 
 @pytest.fixture
 def barrier(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """``agreed_commit_barrier`` on a fake serving rank at EP size 2 going to 3."""
-    import sglang.srt.runtime_context as runtime_context
-
+    """A fake rank at EP size 2 going to 3: ``commit()`` runs upstream's ``_finalize_scale_up``
+    (the barrier, then the commit) as a serving rank, ``join()`` the barrier as a joiner."""
     calls: list[Any] = []
     state = FakeState(active_ranks=torch.tensor([1, 1, 1, 0], dtype=torch.int32),
                       active_ranks_cpu=torch.tensor([1, 1, 1, 0], dtype=torch.int32),
                       effective_ep_size=2)
     env = SimpleNamespace(state=state, calls=calls, alive=[True], others=0, enabled=True,
-                          joiner=False, sent=[])
+                          sent=[], runner=SimpleNamespace(model="model"))
     monkeypatch.setattr(commit_barrier, "elastic_ep_enabled", lambda: env.enabled)
     monkeypatch.setattr(commit_barrier, "elastic_state", lambda: env.state)
     monkeypatch.setattr(commit_barrier, "prepare_data_plane",
@@ -82,31 +81,29 @@ def barrier(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
                         lambda ranks: [env.alive[i] for i, _ in enumerate(ranks)])
     monkeypatch.setattr(commit_barrier, "_world_sum", lambda like: summing(env.others, env.sent))
     monkeypatch.setattr(commit_barrier.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(runtime_context, "get_exec",
-                        lambda: SimpleNamespace(moe=SimpleNamespace(is_ep_scale_joiner=env.joiner)))
-    env.runner = SimpleNamespace(model="model")
 
-    def run() -> Any:
+    def join() -> Any:
         return agreed_commit_barrier(lambda *a, **k: calls.append("upstream barrier"),
-                                     env.runner, target_size=3, log_tag="PRIMARY")
+                                     env.runner, target_size=3, log_tag="JOINER")
 
-    def commit() -> None:
-        """Upstream's commit: the new size, every slot of it live (``ElasticEPState.reset``)."""
+    def finalize_scale_up(runner: Any) -> None:
+        """Upstream's: the barrier, then the commit (the new size, every slot of it live)."""
+        agreed_commit_barrier(lambda *a, **k: calls.append("upstream barrier"), runner,
+                              target_size=3, log_tag="PRIMARY")
         calls.append("commit")
         state.effective_ep_size = 3
         state.active_ranks[:3] = 1
         state.sync_active_to_cpu()
 
-    env.run = run
-    env.finalize = lambda: mark_counted_out_after_commit(lambda r: commit(), env.runner)
+    env.join = join
+    env.commit = lambda: serving_rank_commit(finalize_scale_up, env.runner)
     return env
 
 
 def test_the_barrier_connects_then_agrees_instead_of_upstreams_barrier(
         barrier: SimpleNamespace) -> None:
-    assert barrier.run() is None
-    assert barrier.calls == [("connect", True)] and barrier.sent == [0]
-    barrier.finalize()
+    barrier.commit()
+    assert barrier.calls == [("connect", True), "commit"] and barrier.sent == [0]
     assert barrier.state.active_ranks.tolist() == [1, 1, 1, 0]
     assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 1, 0]
 
@@ -114,37 +111,50 @@ def test_the_barrier_connects_then_agrees_instead_of_upstreams_barrier(
 def test_a_joiner_counted_out_is_marked_failed_after_the_commit(
         barrier: SimpleNamespace) -> None:
     barrier.alive = [False]
-    barrier.run()
+    barrier.commit()
     assert barrier.sent == [1]
-    barrier.finalize()
     assert barrier.calls[-1] == "commit" and barrier.state.effective_ep_size == 3
     assert barrier.state.active_ranks.tolist() == [1, 1, 0, 0]
     assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0]
     # Marked once: the next scale-up's commit starts clean.
-    barrier.state.effective_ep_size = 2
-    barrier.finalize()
+    barrier.alive, barrier.state.effective_ep_size = [True], 2
+    barrier.commit()
     assert barrier.state.active_ranks.tolist() == [1, 1, 1, 0]
 
 
 def test_another_rank_counting_the_joiner_out_marks_it_failed_here_too(
         barrier: SimpleNamespace) -> None:
     barrier.others = 1
-    barrier.run()
+    barrier.commit()
     assert barrier.sent == [0]
-    barrier.finalize()
     assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0]
 
 
 def test_a_joiner_the_serving_ranks_counted_out_stops_with_the_way_back(
         barrier: SimpleNamespace) -> None:
-    barrier.joiner, barrier.others = True, 1
+    barrier.others = 1
     with pytest.raises(CountedOutOfWorld, match="--ep-join-mode recover"):
-        barrier.run()
+        barrier.join()
+    assert barrier.sent == [0]
     barrier.others = 0
-    assert barrier.run() is None
+    assert barrier.join() is None
+
+
+def test_a_rank_that_joined_earlier_serves_in_the_next_scale_up(
+        barrier: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream's joiner flag stays set on a process that joined once; inside
+    ``_finalize_scale_up`` it is a serving rank: it judges the joiners and does not raise."""
+    import sglang.srt.runtime_context as runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_exec", lambda: SimpleNamespace(
+        moe=SimpleNamespace(is_ep_scale_joiner=True, is_ep_joiner=True)))
+    barrier.alive = [False]
+    barrier.commit()
+    assert barrier.sent == [1] and barrier.calls[-1] == "commit"
+    assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0]
 
 
 def test_without_elastic_ep_upstreams_barrier_runs(barrier: SimpleNamespace) -> None:
     barrier.enabled = False
-    barrier.run()
+    barrier.join()
     assert barrier.calls == ["upstream barrier"] and barrier.sent == []

@@ -15,7 +15,7 @@ counts some joiner out of Mooncake's WORLD (a joiner adds 0). Every member reads
 
 - 0: the commit goes ahead as upstream's.
 - more: the serving ranks commit (upstream commits right after the barrier) and then mark the
-  joiners failed in their mask (:func:`mark_counted_out_after_commit`), all on the same pass,
+  joiners failed in their mask (:func:`serving_rank_commit`), all on the same pass,
   so the next pass's agreement lets their slots go (``tail_recovery``), as for a joiner that
   dies just after its commit. A joiner that reached the barrier although some serving rank
   counted it out stops with an error: the others are about to let its slot go, and a relaunch
@@ -47,6 +47,10 @@ class CountedOutOfWorld(RuntimeError):
 
 @dataclass
 class CommitBarrierState:
+    # Inside upstream's ``_finalize_scale_up``: this rank serves and admits joiners. A process
+    # that joined by scale-up keeps upstream's joiner flag for good, and serves in every later
+    # scale-up, so the flag cannot tell the two sides of the barrier apart; the path can.
+    serving_commit: bool = False
     # The joiners this rank's last commit barrier agreed were counted out of WORLD; marked
     # failed once upstream's commit (which marks every slot of the new size live) returned.
     counted_out: tuple[int, ...] = ()
@@ -85,20 +89,19 @@ def agreed_commit_barrier(original: Callable[..., Any], runner: Any, target_size
     if not elastic_ep_enabled() or state is None:
         return original(runner, target_size=target_size, log_tag=log_tag)
     prepare_data_plane(runner.model, connect=True)
-    from sglang.srt.runtime_context import get_exec
-
-    is_joiner = bool(get_exec().moe.is_ep_scale_joiner)
-    joining = () if is_joiner else tuple(range(int(state.effective_ep_size), int(target_size)))
+    holder = attached_state(state, _STATE_ATTR, CommitBarrierState)
+    joining = (tuple(range(int(state.effective_ep_size), int(target_size)))
+               if holder.serving_commit else ())
     agreed = agree_at_commit(joining, counts_a_joiner_out, _world_sum(state.active_ranks))
     if agreed:
         return None
     rank = dist.get_rank()
-    if is_joiner:
+    if not holder.serving_commit:
         raise CountedOutOfWorld(
             f"rank {rank}: the serving ranks counted this joiner out of Mooncake's WORLD during "
             f"its admission to EP size {target_size}; they let its slot go. Relaunch it with "
             "--ep-join-mode recover")
-    attached_state(state, _STATE_ATTR, CommitBarrierState).counted_out = joining
+    holder.counted_out = joining
     logger.warning("[elastic-ep] rank %d: at the commit to EP size %d some rank counted joiners "
                    "%s out of Mooncake's WORLD (admission not acknowledged, or the process "
                    "died): the commit goes ahead and their slots are marked failed",
@@ -106,16 +109,21 @@ def agreed_commit_barrier(original: Callable[..., Any], runner: Any, target_size
     return None
 
 
-def mark_counted_out_after_commit(original: Callable[..., Any], runner: Any,
-                                  *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``ModelRunner._finalize_scale_up``: after upstream's commit (it marks every slot
-    of the new size live), mark the joiners the barrier counted out failed, as a dispatcher
-    does for a peer that stops answering; the next pass lets their slots go."""
-    result = original(runner, *args, **kwargs)
+def serving_rank_commit(original: Callable[..., Any], runner: Any,
+                        *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``ModelRunner._finalize_scale_up`` (a serving rank's admission and commit): the
+    barrier inside it is this rank's serving side; after upstream's commit (it marks every
+    slot of the new size live), the joiners the barrier counted out are marked failed, as a
+    dispatcher does for a peer that stops answering, and the next pass lets their slots go."""
     state = elastic_state()
     if state is None:
-        return result
+        return original(runner, *args, **kwargs)
     holder = attached_state(state, _STATE_ATTR, CommitBarrierState)
+    holder.serving_commit = True
+    try:
+        result = original(runner, *args, **kwargs)
+    finally:
+        holder.serving_commit = False
     counted_out, holder.counted_out = holder.counted_out, ()
     if counted_out:
         mark_failed(state, counted_out)
