@@ -18,7 +18,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     status,
     wait_each_shard_serves,
 )
-from sglang_elastic_ep_testbed.cluster.procs import free_port, kill_tree
+from sglang_elastic_ep_testbed.cluster.procs import free_port, kill_tree, stop_tree
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 
@@ -71,6 +71,29 @@ def test_wait_ready_raises_timeout_error_while_it_runs_unready(tmp_path: Path) -
     finally:
         kill_tree(server.pid, hard=True)
         server.popen.wait(timeout=60)
+
+
+def test_stop_tree_stops_the_server_and_its_child_and_kill_tree_still_ends_them(
+        tmp_path: Path) -> None:
+    import psutil
+
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
+            "'import time; time.sleep(600)']); time.sleep(600)"
+    server = _server(tmp_path, child)
+    try:
+        def tree_with_child() -> list[int] | None:
+            children = [c.pid for c in psutil.Process(server.pid).children()]
+            return [server.pid, *children] if children else None
+
+        tree = wait_until(tree_with_child, 60, "the server and its child")
+        stop_tree(server.pid)
+        wait_until(lambda: all(psutil.Process(pid).status() == psutil.STATUS_STOPPED
+                               for pid in tree), 60, "both processes stopped")
+    finally:
+        kill_tree(server.pid, hard=True)
+        server.popen.wait(timeout=60)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in tree)
 
 
 def _result(dp_rank: int | None, started: float, ok: bool = True) -> RequestResult:

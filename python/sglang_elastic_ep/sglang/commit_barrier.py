@@ -2,13 +2,12 @@
 
 The serving ranks and the joiners meet in one barrier over WORLD before the commit
 (``ModelRunner._elastic_scale_ready_barrier``). Mooncake can put a joiner into the view and
-then give up on it: its agent did not acknowledge the view update in time (a joiner that
-registered while the slot's previous process still counted as healthy stayed stuck in
-``join_group``), or it died. Its peers then count it out of WORLD and their collectives skip
-it, so the barrier passed without it and every serving rank committed the new size with the
-joiner's slot marked live. Nothing noticed on an idle cluster (no forward pass to fail on it):
-the status showed the scale-up serving at the new size with a slot that never served, and the
-next control request waited for that shard's scheduler until it timed out.
+then give up on it: its agent does not acknowledge the view update in time (it hangs, for one
+in ``join_group``), or it dies. Its peers then count it out of WORLD and their collectives skip
+it, so upstream's barrier passes without it and every serving rank would commit the new size
+with the joiner's slot marked live. On an idle cluster no forward pass fails on that slot: the
+status would show a size with a slot that never serves, and control requests would wait for
+its scheduler.
 
 So the barrier is an all-reduce instead, one collective as before: each member adds 1 when it
 counts some joiner out of Mooncake's WORLD (a joiner adds 0). Every member reads the same sum:

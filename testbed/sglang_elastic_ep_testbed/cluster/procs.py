@@ -79,15 +79,7 @@ def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:
     """
     procs = process_tree(pid)
     for sig in (signal.SIGKILL,) if hard else (signal.SIGTERM, signal.SIGKILL):
-        for proc in procs:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        try:
-            os.killpg(pid, sig)  # the server was started in its own session: pgid == pid
-        except (ProcessLookupError, PermissionError):
-            pass
+        _signal_tree(pid, procs, sig)
         # A SIGKILLed scheduler can take seconds to exit on two busy cores (its address space
         # is torn down, gigabytes of it): seen over 5 s.
         _, alive = psutil.wait_procs(procs, timeout=grace_s if sig == signal.SIGTERM else 30.0)
@@ -100,13 +92,18 @@ def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:
 
 def stop_tree(pid: int) -> None:
     """SIGSTOP ``pid``, its session and its descendants (``kill_tree`` still ends them)."""
-    for proc in process_tree(pid):
+    _signal_tree(pid, process_tree(pid), signal.SIGSTOP)
+
+
+def _signal_tree(pid: int, procs: list[psutil.Process], sig: int) -> None:
+    """Send ``sig`` to ``procs`` (``pid``'s tree) and to ``pid``'s process group."""
+    for proc in procs:
         try:
-            proc.send_signal(signal.SIGSTOP)
+            proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
     try:
-        os.killpg(pid, signal.SIGSTOP)  # the server was started in its own session
+        os.killpg(pid, sig)  # the server was started in its own session: pgid == pid
     except (ProcessLookupError, PermissionError):
         pass
 
