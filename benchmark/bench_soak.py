@@ -1,7 +1,8 @@
 """Soak: N cycles of 2 -> 3 -> 2 under steady load on one CPU cluster; after each cycle, what
 the staying ranks hold (RSS per rank, open fds and among them TCP sockets left in CLOSE_WAIT,
 threads, listening ports of the primary's processes, shared-memory segments and among them
-named semaphores) and the request latency p50 / p99 of the cycle.
+named semaphores, the keys in the two TCPStores rank 0's scheduler hosts) and the request
+latency p50 / p99 of the cycle.
 
 Each cycle launches a scale joiner for rank 2, POSTs 3, waits for the commit, POSTs 2 and waits
 for the joiner's server to exit 0. Nothing may grow cycle over cycle: the section states the
@@ -15,6 +16,7 @@ import argparse
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -52,8 +54,22 @@ def held(cluster: LocalCluster) -> dict[str, float]:
     shm = list(SHM.iterdir()) if SHM.exists() else []
     out.update(fds=fds, close_wait_sockets=close_wait, threads=threads,
                listening_ports=len(ports), shm_segments=len(shm),
-               shm_semaphores=sum(p.name.startswith("sem.") for p in shm))
+               shm_semaphores=sum(p.name.startswith("sem.") for p in shm),
+               rendezvous_keys=store_keys(cluster.dist_port),
+               nixl_store_keys=store_keys(int(cluster.env["SGLANG_TCP_STORE_PORT"])))
     return out
+
+
+def store_keys(port: int) -> float:
+    """How many keys the TCPStore on ``port`` holds (it lives in rank 0's scheduler, so every
+    key stays in that process until the server stops); NaN when it cannot be reached."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        return float(store.num_keys())
+    except Exception:  # a figure of the report, not a reason to stop the soak
+        return float("nan")
 
 
 def latency_ms(load: LoadClient, since: float, until: float) -> tuple[float, float]:

@@ -161,7 +161,15 @@ def server_env(extra_env: dict[str, str], first_rank: int, ranks: int) -> dict[s
 
 
 class ServerProcess:
-    """One ``sglang.launch_server`` process (and its children), started in its own session."""
+    """One ``sglang.launch_server`` process (and its children), started in its own process
+    group of the caller's session.
+
+    Not in a session of its own: Linux's scheduler autogroups (``kernel.sched_autogroup_enabled``)
+    give each session an equal share of the CPU, so on two cores a joiner in its own session
+    got as much CPU as the two launch ranks together. They then lagged in each pass while the
+    joiner's Mooncake worker spun in the DP gather waiting for them: a grown 3-rank cluster
+    served 1.7 requests/s against 5.6 for a fresh one, and 5.2 with every server in one
+    session (``benchmark/profile_grown_cluster.py``)."""
 
     def __init__(
         self,
@@ -185,7 +193,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
-            start_new_session=True,
+            process_group=0,  # pgid == pid: the cluster signals the group by the server's pid
         )
         self.pid = self.popen.pid
         self.killed = False  # SIGKILLed by the scenario (LocalCluster.kill_server)

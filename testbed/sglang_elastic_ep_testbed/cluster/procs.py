@@ -72,7 +72,7 @@ def off_loopback_sockets(root_pids: Iterable[int]) -> list[str]:
 
 
 def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:
-    """SIGTERM ``pid``, its session and its descendants; SIGKILL whatever is left after grace.
+    """SIGTERM ``pid``, its process group and its descendants; SIGKILL whatever is left after grace.
     ``hard``: SIGKILL at once (a machine dying).
 
     A crashed SGLang scheduler can leave the server ignoring SIGTERM, hence the fallback.
@@ -91,7 +91,8 @@ def kill_tree(pid: int, grace_s: float = 10.0, hard: bool = False) -> None:
 
 
 def stop_tree(pid: int) -> None:
-    """SIGSTOP ``pid``, its session and its descendants (``kill_tree`` still ends them)."""
+    """SIGSTOP ``pid``, its process group and its descendants (``kill_tree`` still ends
+    them)."""
     _signal_tree(pid, process_tree(pid), signal.SIGSTOP)
 
 
@@ -103,7 +104,7 @@ def _signal_tree(pid: int, procs: list[psutil.Process], sig: int) -> None:
         except psutil.NoSuchProcess:
             pass
     try:
-        os.killpg(pid, sig)  # the server was started in its own session: pgid == pid
+        os.killpg(pid, sig)  # the server was started in its own process group: pgid == pid
     except (ProcessLookupError, PermissionError):
         pass
 
