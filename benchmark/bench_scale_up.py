@@ -94,6 +94,8 @@ def run(steady_s: float, rounds: int) -> tuple[dict[str, float], list[str]]:
         if "under load" in name:
             f |= {"gap_steady2_s": longest_gap(results, m["before"], m["launch"]),
                   "gap_scale_s": longest_gap(results, m["launch"], m["committed"]),
+                  "gap_start_s": longest_gap(results, m["launch"], m["registered"]),
+                  "gap_commit_s": longest_gap(results, m["registered"], m["committed"]),
                   "gap_after_s": longest_gap(results, m["committed"], m["settled"]),
                   "gap_steady3_s": longest_gap(results, m["settled"], m["end"])}
         figures |= {f"{name}:{key}": value for key, value in f.items()}
@@ -108,6 +110,9 @@ ROWS = [
     ("serving ranks' pause: admission -> commit (rank 0's log)", "pause_s", ".2f"),
     ("longest gap between completed requests, 2 ranks before", "gap_steady2_s", ".2f"),
     ("longest gap, joiner launch -> committed", "gap_scale_s", ".2f"),
+    ("of which: launch -> ready (the joiner starts beside the serving ranks)", "gap_start_s",
+     ".2f"),
+    ("of which: ready -> committed (the change itself)", "gap_commit_s", ".2f"),
     (f"longest gap, the first {RIGHT_AFTER_S:g} s after the commit", "gap_after_s", ".2f"),
     ("longest gap, 3-rank steady state after that", "gap_steady3_s", ".2f"),
 ]
