@@ -102,6 +102,16 @@ def test_the_same_key_can_be_crossed_again() -> None:
     assert store.add("k", 0) == 4
 
 
+def test_crossing_a_key_again_and_again_keeps_one_done_key() -> None:
+    store = _real_store()
+    keys_at_start = store.num_keys()
+    for _ in range(5):
+        assert _cross(store, "k", 2, 10.0) == [True, True]
+    # The counter and the last crossing's done key; the earlier done keys were dropped.
+    assert store.num_keys() - keys_at_start == 2
+    assert store.check(["k/done-5"]) and not store.check(["k/done-4"])
+
+
 def test_a_member_that_never_comes_times_the_others_out_and_leaves_no_count() -> None:
     store = _real_store()
     # Two of three members arrive, the third died on the way: both time out and take their

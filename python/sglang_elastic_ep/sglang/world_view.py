@@ -63,6 +63,8 @@ class BarrierStore(Protocol):
 
     def check(self, keys: list[str]) -> bool: ...
 
+    def delete_key(self, key: str) -> bool: ...
+
 
 def store_barrier(store: BarrierStore, key: str, parties: int, timeout_s: float) -> bool:
     """Wait until ``parties`` callers reached ``key``: True when all did within ``timeout_s``.
@@ -70,7 +72,11 @@ def store_barrier(store: BarrierStore, key: str, parties: int, timeout_s: float)
     A key is crossed again by each later change of the same kind, members and ranks (a shrink
     and regrow cycle repeats them): arrivals are counted, and the n-th arrival belongs to
     crossing ``ceil(n / parties)``, which its last arrival ends. An arrival that times out takes
-    itself back, so a crossing a member never reached leaves the count where it started."""
+    itself back, so a crossing a member never reached leaves the count where it started.
+
+    The store (rank 0's, for the deployment's life) keeps one done key per barrier key: the
+    last arrival of a crossing drops the crossing before's, which every member has left, since
+    each of them arrived at this one."""
     if parties < 1:
         raise ValueError(f"a barrier needs at least one party, got {parties}")
     arrived = store.add(key, 1)
@@ -78,6 +84,8 @@ def store_barrier(store: BarrierStore, key: str, parties: int, timeout_s: float)
     done_key = f"{key}/done-{crossing}"
     if arrived == crossing * parties:
         store.set(done_key, b"1")
+        if crossing > 1:
+            store.delete_key(f"{key}/done-{crossing - 1}")
         return True
     try:
         store.wait([done_key], timedelta(seconds=timeout_s))
