@@ -168,8 +168,8 @@ class ServerProcess:
     give each session an equal share of the CPU, so on two cores a joiner in its own session
     got as much CPU as the two launch ranks together. They then lagged in each pass while the
     joiner's Mooncake worker spun in the DP gather waiting for them: a grown 3-rank cluster
-    served 1.7 requests/s against 5.6 for a fresh one, and 5.2 with every server in one
-    session (``benchmark/profile_grown_cluster.py``)."""
+    served 1.7 requests/s against 5.6 for a fresh one, and 6.4 with every server in the
+    caller's session (``benchmark/profile_grown_cluster.py``)."""
 
     def __init__(
         self,
