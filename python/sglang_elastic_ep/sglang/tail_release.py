@@ -195,7 +195,37 @@ def leave(*, whole_server: bool) -> None:
     else:
         logger.info("[elastic-ep] this server keeps other ranks: the released rank's scheduler "
                     "process exits 0 (pid %d)", os.getpid())
+    deliver_queued_messages()
     logging.shutdown()
     # No interpreter teardown: process-group destructors would talk to peers that no longer
     # count this rank.
     os._exit(0)
+
+
+# How long a leaving scheduler waits for ZeroMQ to hand over its last messages.
+DELIVERY_LINGER_MS = 5000
+
+
+def deliver_queued_messages(linger_ms: int = DELIVERY_LINGER_MS) -> int:
+    """Hand over what this scheduler's ZeroMQ sockets still queue before the process ends; the
+    number of contexts flushed.
+
+    ``os._exit`` drops ZeroMQ's queues, and a released rank may leave on the very pass on which
+    it answered the HTTP process's drain confirmation (an idle cluster drains at once): the
+    answer was lost, and the HTTP process waited for it until its timeout and failed a
+    scale-down the schedulers had committed. The scheduler's sockets are found through the
+    ``SenderWrapper`` objects of its IPC channels (not reachable from the pass that releases
+    it); each of their contexts is destroyed with a linger, which returns once everything
+    queued was sent or ``linger_ms`` passed. Only this thread (the scheduler's loop) uses them.
+    """
+    import gc
+
+    from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+
+    contexts = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, SenderWrapper) and obj.socket is not None and not obj.socket.closed:
+            contexts[id(obj.socket.context)] = obj.socket.context
+    for context in contexts.values():
+        context.destroy(linger=linger_ms)
+    return len(contexts)
