@@ -161,15 +161,13 @@ def server_env(extra_env: dict[str, str], first_rank: int, ranks: int) -> dict[s
 
 
 class ServerProcess:
-    """One ``sglang.launch_server`` process (and its children), started in its own process
-    group of the caller's session.
+    """One ``sglang.launch_server`` process (and its children), started in its own session.
 
-    Not in a session of its own: Linux's scheduler autogroups (``kernel.sched_autogroup_enabled``)
-    give each session an equal share of the CPU, so on two cores a joiner in its own session
-    got as much CPU as the two launch ranks together. They then lagged in each pass while the
-    joiner's Mooncake worker spun in the DP gather waiting for them: a grown 3-rank cluster
-    served 1.7 requests/s against 5.6 for a fresh one, and 6.4 with every server in the
-    caller's session (``benchmark/profile_grown_cluster.py``)."""
+    Its own session puts it in its own CPU share under Linux's scheduler autogroups, which made
+    a grown cluster step 2-4x slower than a fresh one on two cores; every server in the
+    caller's session fixed that, but a soak and a clean-clone suite run with it each had a rank
+    stalled for 30 s in a pass (docs/cpu-testbed.md, "One session for every server of a
+    cluster"), so it is not the default."""
 
     def __init__(
         self,
@@ -193,7 +191,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
-            process_group=0,  # pgid == pid: the cluster signals the group by the server's pid
+            start_new_session=True,  # pgid == pid: the cluster signals the group by the pid
         )
         self.pid = self.popen.pid
         self.killed = False  # SIGKILLed by the scenario (LocalCluster.kill_server)
