@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 import zmq
@@ -25,6 +24,7 @@ socket = context.socket(zmq.PUSH)
 socket.connect(sys.argv[1])
 sender = SenderWrapper(socket)
 socket.send_pyobj({"answer": "drain confirmed"})
+print("queued", flush=True)
 flushed = deliver_queued_messages(linger_ms=20000) if sys.argv[2] == "deliver" else 0
 print(flushed, flush=True)
 os._exit(0)
@@ -32,13 +32,17 @@ os._exit(0)
 
 
 def _answer_after_leaving(deliver: bool) -> object | None:
-    """Start the leaving child first, bind the receiver a moment later; what arrived."""
+    """Start the leaving child first; bind the receiver once it queued its answer (and, without
+    the delivery, once it exited); what arrived."""
     address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     child = subprocess.Popen([sys.executable, "-c", CHILD, address,
                               "deliver" if deliver else "drop"],
                              stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)  # the child has queued its answer and waits (or already left)
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "queued"
+        if not deliver:
+            child.wait(timeout=60)
         context = zmq.Context()
         receiver = context.socket(zmq.PULL)
         receiver.bind(address)

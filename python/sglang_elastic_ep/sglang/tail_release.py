@@ -211,12 +211,11 @@ def deliver_queued_messages(linger_ms: int = DELIVERY_LINGER_MS) -> int:
     number of contexts flushed.
 
     ``os._exit`` drops ZeroMQ's queues, and a released rank may leave on the very pass on which
-    it answered the HTTP process's drain confirmation (an idle cluster drains at once): the
-    answer was lost, and the HTTP process waited for it until its timeout and failed a
-    scale-down the schedulers had committed. The scheduler's sockets are found through the
-    ``SenderWrapper`` objects of its IPC channels (not reachable from the pass that releases
-    it); each of their contexts is destroyed with a linger, which returns once everything
-    queued was sent or ``linger_ms`` passed. Only this thread (the scheduler's loop) uses them.
+    it answered the HTTP process's drain confirmation (an idle cluster drains at once): without
+    this, the HTTP process waits for that answer until its timeout. The sockets are found
+    through the ``SenderWrapper`` objects of the scheduler's IPC channels (not reachable from the
+    pass that releases it); each of their contexts is destroyed with a linger, which returns
+    once everything queued was sent or ``linger_ms`` passed. Only this thread uses them.
     """
     import gc
 

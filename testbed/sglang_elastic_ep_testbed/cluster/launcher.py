@@ -163,11 +163,9 @@ def server_env(extra_env: dict[str, str], first_rank: int, ranks: int) -> dict[s
 class ServerProcess:
     """One ``sglang.launch_server`` process (and its children), started in its own session.
 
-    Its own session puts it in its own CPU share under Linux's scheduler autogroups, which made
-    a grown cluster step 2-4x slower than a fresh one on two cores; every server in the
-    caller's session fixed that, but a soak and a clean-clone suite run with it each had a rank
-    stalled for 30 s in a pass (docs/cpu-testbed.md, "One session for every server of a
-    cluster"), so it is not the default."""
+    Its own session gives it its own CPU share under Linux's scheduler autogroups, which slows
+    a grown cluster on two cores; one session for all servers is not used because ranks then
+    stalled in a pass (docs/cpu-testbed.md, "One session for every server of a cluster")."""
 
     def __init__(
         self,
