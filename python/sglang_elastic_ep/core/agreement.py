@@ -195,9 +195,22 @@ def verdict_from_proposals(proposals: Sequence[Proposal],
     return GatheredRound(verdict, found)
 
 
-def gathered_round(rows: Sequence[Sequence[int]]) -> GatheredRound:
-    """The verdict from gathered rows (each starting with :data:`PROPOSAL_COLUMNS` columns)."""
-    return verdict_from_proposals(*unpack_rows(rows))
+def gathered_round(rows: Sequence[Sequence[int]],
+                   unseen: Sequence[int] = ()) -> GatheredRound:
+    """The verdict from gathered rows (each starting with :data:`PROPOSAL_COLUMNS` columns).
+
+    ``unseen``: ranks whose rows this rank did not receive because they failed during the
+    gather (their rows here are blank). Another survivor may have received them whole, and a
+    dying leaving rank's row says "not ready" while it still held requests, so entering on the
+    rows without them could put this rank into a step that survivor skips: ENTER becomes WAIT
+    on such a pass. The next gather no longer counts the failed ranks, and every survivor
+    decides on the same rows again."""
+    outcome = verdict_from_proposals(*unpack_rows(rows))
+    if unseen and outcome.verdict is LockstepVerdict.ENTER:
+        return GatheredRound(LockstepVerdict.WAIT, outcome.proposals,
+                             f"ranks {sorted(unseen)} failed during this pass's gather: their "
+                             "rows are unknown here, so no step is entered on it")
+    return outcome
 
 
 def gathered_timings(rows: Sequence[Sequence[int]], *, slots_per_rank: int,

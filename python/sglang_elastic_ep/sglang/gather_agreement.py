@@ -225,7 +225,8 @@ def gather_with_agreement(
 ) -> Any:
     """AROUND ``dp_attn.MLPSyncBatchInfo.all_gather``: this rank's proposal rides in its row
     (``append_agreement_columns``); after the gather every rank reads the verdict from the same
-    rows. The expanded-WORLD masking is ``tail_recovery.gather_masks_expanded_world``.
+    rows. The expanded-WORLD masking is ``tail_recovery.gather_seeing_failures``; a pass whose
+    gather lost a failing peer's row enters no step (``gathered_round``'s ``unseen``).
 
     A rank Mooncake deactivated while it was alive (its peers took it for failed) gets an
     error from this gather; it is re-raised (the scheduler exits, as upstream's does) after a
@@ -256,8 +257,8 @@ def _gather_with_agreement(
     agreement.outgoing = columns
     agreement.upstream_width = 0
     try:
-        result = tail_recovery.gather_masks_expanded_world(original, info, device, group,
-                                                           use_all_reduce, checked_rows=True)
+        result, failed = tail_recovery.gather_seeing_failures(
+            original, info, device, group, use_all_reduce, checked_rows=True)
     finally:
         agreement.outgoing = None
     if not agreement.upstream_width:
@@ -268,7 +269,7 @@ def _gather_with_agreement(
     rows = gathered_columns(info, agreement.upstream_width, len(columns))
     expert_health.expert_health_state(state).take_gathered(
         gathered_timings(rows, slots_per_rank=slots, capacity=int(state.active_ranks.numel())))
-    agreement.finish(AgreedRound(gathered_round(rows), proposal))
+    agreement.finish(AgreedRound(gathered_round(rows, unseen=failed), proposal))
     return result
 
 

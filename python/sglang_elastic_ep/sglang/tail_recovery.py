@@ -309,10 +309,10 @@ def remove_failed_slots(scheduler: Any, state: Any, new_ep_size: int) -> Any:
     )
 
 
-def gather_masks_expanded_world(
+def gather_seeing_failures(
     original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool = False,
     checked_rows: bool = False,
-) -> Any:
+) -> tuple[Any, list[int]]:
     """Upstream's ``dp_attn.MLPSyncBatchInfo.all_gather`` with WORLD's mask (called by its hook,
     ``gather_agreement.gather_with_agreement``): upstream blanks the rows of inactive
     ranks with the launch-time TP group's mask, which has no entry for a rank that joined by
@@ -322,15 +322,16 @@ def gather_masks_expanded_world(
     survivor died building an idle batch of 32622 tokens. A peer that dies before its mask
     entry is cleared can still leave garbage: ``gather_repair`` asks the all-reduce whether it
     completed with every peer and checks the rows after every gather of an elastic server
-    (``checked_rows``: each row ends with its ``gather_repair.row_check``)."""
+    (``checked_rows``: each row ends with its ``gather_repair.row_check``). Returns the
+    result and the peers that failed during this gather (``repair_after_failed_gather``)."""
     elastic = state_manager().instance()
     if elastic is None:  # elastic EP off: upstream's gather as it is
-        return original(info, device, group, use_all_reduce)
+        return original(info, device, group, use_all_reduce), []
     state = elastic if use_all_reduce else None
     if state is None or state.active_ranks is None:
         result = original(info, device, group, use_all_reduce)
         repair_after_gather(info)
-        return result
+        return result, []
     from sglang.srt.runtime_context import get_parallel
 
     tp_group = get_parallel().tp_group
@@ -346,6 +347,13 @@ def gather_masks_expanded_world(
             result = original(info, device, group, use_all_reduce)
     finally:
         tp_group.active_ranks, tp_group.active_ranks_cpu = saved
-    repair_after_failed_gather(info, seen, group, checked=checked_rows)
+    failed = repair_after_failed_gather(info, seen, group, checked=checked_rows)
     repair_after_gather(info)
-    return result
+    return result, failed
+
+
+def gather_masks_expanded_world(
+    original: Any, info: Any, device: Any, group: Any, use_all_reduce: bool = False,
+) -> Any:
+    """:func:`gather_seeing_failures` for a gather that carries no agreement."""
+    return gather_seeing_failures(original, info, device, group, use_all_reduce)[0]

@@ -124,6 +124,33 @@ def test_malformed_rows_make_every_rank_wait_instead_of_raising() -> None:
         Proposal(rank=0, kind=StepKind.GROW, ready=1, target=3, serving=2)
 
 
+def shrink(rank: int, ready: bool, target: int = 2, serving: int = 3) -> Proposal:
+    return Proposal(rank=rank, kind=StepKind.SHRINK, ready=target if ready else 0,
+                    target=target, serving=serving)
+
+
+def test_a_survivor_that_missed_a_dying_leaving_ranks_row_waits_as_the_one_that_got_it() -> None:
+    """Rank 2 leaves by a scale-down and dies mid-drain, during a gather: survivor 1 received
+    its row whole (still draining: not ready), survivor 0 did not (blank)."""
+    staying = [pack_row(shrink(0, True)), pack_row(shrink(1, True))]
+    got_it = gathered_round([*staying, pack_row(shrink(2, False))])
+    missed_it = gathered_round([*staying, blank_row(0)], unseen=[2])
+    assert got_it.verdict is LockstepVerdict.WAIT
+    assert missed_it.verdict is LockstepVerdict.WAIT
+    assert "ranks [2] failed during this pass's gather" in missed_it.problem
+    # Without the failure report the blank row is an inactive slot: the staying ranks enter.
+    assert gathered_round([*staying, blank_row(0)]).verdict is LockstepVerdict.ENTER
+
+
+def test_a_failed_peer_in_the_gather_holds_back_only_entering() -> None:
+    assert gathered_round([pack_row(idle(0)), blank_row(0)],
+                          unseen=[1]).verdict is LockstepVerdict.NOTHING_PENDING
+    called_off = Proposal(rank=0, kind=StepKind.GROW, ready=0, target=3, serving=2,
+                          abort=AbortReason.CANCELLED)
+    assert gathered_round([pack_row(called_off), blank_row(0)],
+                          unseen=[1]).verdict is LockstepVerdict.ABORT
+
+
 def test_each_rows_timings_land_in_its_own_slots() -> None:
     rows = [pack_row(idle(1), [10, 20, 1, 2]), blank_row(4), pack_row(idle(0), [30, 40, 3, 4])]
     assert gathered_timings(rows, slots_per_rank=2, capacity=3) == [
