@@ -335,6 +335,43 @@ def test_a_drain_confirmation_after_a_staying_shard_died_awaits_only_the_live_on
     assert tm.fan_outs == [2, 3]
 
 
+def test_a_confirmation_whose_answer_was_lost_ends_when_the_schedulers_commit() -> None:
+    """A leaving rank answered and exited at once, and its answer never reached the HTTP
+    process: the schedulers commit anyway, and the confirmation ends on the reported commit
+    instead of failing the scale-down after SCHEDULER_ANSWER_TIMEOUT_S."""
+    tm = FakeTokenizerManager(SimpleNamespace(success=True, message=""))
+    tm.phase = Phase.DRAINING.value
+    never: asyncio.Future[list[object]] | None = None
+
+    async def lost_answer(obj: object) -> list[object]:
+        nonlocal never
+        never = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.5, setattr, tm, "phase",
+                                              Phase.SERVING_CONTRACTED.value)
+        return await never
+
+    tm.scale_elastic_ep_communicator = lost_answer
+    engine = UpstreamEngine(tm, HttpAdapterState(plane=None))
+    asyncio.run(engine._confirm_drain(SHRINK_3_TO_2))
+    assert never is not None and never.cancelled()
+
+
+def test_a_phase_left_from_an_earlier_operation_does_not_end_the_wait_for_answers() -> None:
+    refused = SimpleNamespace(success=False, message="scale-down to 2 called off: a staying "
+                              "rank failed during the drain")
+    tm = FakeTokenizerManager(refused)
+    tm.phase = Phase.SERVING_CONTRACTED.value  # the last scale-down's, not yet overwritten
+
+    async def slow_answers(obj: object) -> list[object]:
+        await asyncio.sleep(0.6)  # a few of the watcher's polls
+        return [refused, refused, refused]
+
+    tm.scale_elastic_ep_communicator = slow_answers
+    engine = UpstreamEngine(tm, HttpAdapterState(plane=None))
+    with pytest.raises(RuntimeError, match="a staying rank failed during the drain"):
+        asyncio.run(engine._confirm_drain(SHRINK_3_TO_2))
+
+
 def test_a_failed_confirmation_reports_the_schedulers_own_reason_once_they_called_off(
 ) -> None:
     tm = FakeTokenizerManager(SimpleNamespace(success=True, message=""))

@@ -176,13 +176,11 @@ class UpstreamEngine:
         if live != workers:
             self._tm.update_control_communicator_fan_out(live)
         try:
-            answers = await asyncio.wait_for(
+            answers = await self._answers_unless_decided(
                 self._tm.scale_elastic_ep_communicator(
                     ScaleElasticEPReqInput(new_ep_size=self._request_size(op),
                                            rid=op.operation_id)
-                ),
-                SCHEDULER_ANSWER_TIMEOUT_S,
-            )
+                ))
         except asyncio.TimeoutError:
             raise RuntimeError(
                 f"the drain confirmation got no answer from {live} schedulers within "
@@ -191,9 +189,41 @@ class UpstreamEngine:
         finally:
             if live != workers:  # the commit sets the new size's fan-out itself
                 self._tm.update_control_communicator_fan_out(int(self._tm.elastic_worker_count))
+        if answers is None:
+            logger.warning("elastic EP: the schedulers ended scale-down %s before every answer "
+                           "to its drain confirmation arrived (a leaving rank exited or died "
+                           "right after answering)", op.operation_id)
+            return
         refused = [a.message for a in answers if not a.success]
         if refused:
             raise RuntimeError(f"drain confirmation refused: {refused[0]}")
+
+    def _phase(self) -> Phase | None:
+        return UPSTREAM_PHASES.get(str(self._tm.get_elastic_ep_state().get("scale_phase")))
+
+    async def _answers_unless_decided(self, answers: Any) -> list[Any] | None:
+        """The schedulers' answers to a drain confirmation, or None once their reported phase
+        changes to one that ends the operation (committed or failed) first: they act on the
+        confirmation they received, and an answer lost with a rank that exited right after
+        sending it must not hold the operation for ``SCHEDULER_ANSWER_TIMEOUT_S`` and fail a
+        scale-down that committed. Only a change counts: a phase left over from an earlier
+        operation is no decision on this one."""
+        task = asyncio.ensure_future(answers)
+        before = self._phase()
+        deadline = time.monotonic() + SCHEDULER_ANSWER_TIMEOUT_S
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=WATCH_INTERVAL_S)
+                if done:
+                    return task.result()
+                phase = self._phase()
+                if phase != before and phase in (Phase.SERVING_CONTRACTED, Phase.FAILED):
+                    return None
+                if time.monotonic() > deadline:
+                    raise asyncio.TimeoutError
+        finally:
+            if not task.done():
+                task.cancel()
 
     def _why_failed(self, exc: Exception) -> str:
         """The error of a scale-down whose drain confirmation failed: the schedulers' own
