@@ -8,7 +8,6 @@ server processes started with ``--ep-join-mode scale|recover`` that attach to th
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import re
 import subprocess
@@ -161,36 +160,12 @@ def server_env(extra_env: dict[str, str], first_rank: int, ranks: int) -> dict[s
     return env
 
 
-def autogroup_nice(ranks: int, largest_server_ranks: int) -> int:
-    """The nice value of the autogroup of a server of ``ranks`` EP ranks, so that each rank of
-    the cluster gets the same CPU share: the largest server's group keeps 0 (weight 1024), a
-    smaller one's weight is about ``ranks / largest_server_ranks`` of it (each nice step
-    divides the weight by 1.25)."""
-    if ranks < 1 or largest_server_ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks} of {largest_server_ranks}")
-    if ranks >= largest_server_ranks:
-        return 0
-    return min(19, round(math.log(largest_server_ranks / ranks, 1.25)))
-
-
-def set_autogroup_nice(pid: int, nice: int) -> bool:
-    """Set the nice value of ``pid``'s scheduler autogroup (``/proc/PID/autogroup``); False
-    where the kernel has no autogroups or refuses (nothing else changes then)."""
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(f"{nice}\n")
-    except OSError:
-        return False
-    return True
-
-
 class ServerProcess:
     """One ``sglang.launch_server`` process (and its children), started in its own session.
 
-    Linux's scheduler autogroups give each session an equal CPU share, so a 1-rank joiner
-    beside a 2-rank primary would get as much CPU as both of its ranks together (a grown
-    cluster then stepped 2-4x slower than a fresh one on two cores). ``autogroup_nice`` weighs
-    the session by the ranks it holds instead. One session for all servers was tried and is not
-    used (docs/cpu-testbed.md, "CPU shares per rank, not per server")."""
+    Its own session gives it its own CPU share under Linux's scheduler autogroups, which slows
+    a grown cluster on two cores; one session for all servers is not used because ranks then
+    stalled in a pass (docs/cpu-testbed.md, "One session for every server of a cluster")."""
 
     def __init__(
         self,
@@ -201,7 +176,6 @@ class ServerProcess:
         cpus: int,
         extra_env: dict[str, str] | None = None,
         first_rank: int = 0,
-        nice: int = 0,
     ) -> None:
         self.name = name
         self.port = port
@@ -218,10 +192,6 @@ class ServerProcess:
             start_new_session=True,  # pgid == pid: the cluster signals the group by the pid
         )
         self.pid = self.popen.pid
-        # Popen returns after the exec, so the new session (and its autogroup) exists; the
-        # server's own children inherit it.
-        if nice:
-            set_autogroup_nice(self.pid, nice)
         self.killed = False  # SIGKILLed by the scenario (LocalCluster.kill_server)
         _LIVE.add(self)
 
@@ -503,7 +473,6 @@ class LocalCluster:
         joiner = ServerProcess(
             f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size,
             {**self.env, **(env or {})}, first_rank=rank_offset,
-            nice=autogroup_nice(size, self.spec.ep_size // self.spec.nodes),
         )
         self.joiners.append(joiner)
         return joiner
