@@ -165,3 +165,39 @@ def test_the_join_waits_for_the_commit_only_without_graphs_and_unless_turned_off
     else:
         monkeypatch.setenv(scale_up_joiner.PREPARE_ENV, env)
     assert scale_up_joiner._joins_at_the_commit() is deferred
+
+
+def test_a_joiner_never_admitted_exits_at_the_scale_timeout_with_the_reason(
+        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Mooncake's join_group has no timeout: a joiner whose scale-up was called off waits
+    there until its watchdog ends the process (here a fake exit that releases the wait)."""
+    import functools
+    import threading
+
+    released = threading.Event()
+    exits: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        released.set()
+
+    monkeypatch.setattr(scale_up_joiner, "scale_timeout_s", lambda: 0.05)
+    monkeypatch.setattr(scale_up_joiner, "AdmissionWatchdog", functools.partial(
+        scale_up_joiner.AdmissionWatchdog, exit_process=fake_exit))
+    with caplog.at_level("ERROR"):
+        join_world(lambda: released.wait(60))
+    assert exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
+    assert "was not admitted within --elastic-ep-scale-timeout" in caplog.text
+    assert "scale joiner for EP ranks [2]" in caplog.text
+
+
+def test_an_admitted_joiner_or_one_without_a_timeout_is_never_ended() -> None:
+    exits: list[int] = []
+    with scale_up_joiner.AdmissionWatchdog(0.05, "joiner", exit_process=exits.append) as dog:
+        timer = dog._timer
+        assert timer is not None and timer.is_alive()
+    timer.join(60)  # admitted at once: the timer thread ends without firing
+    assert not timer.is_alive() and exits == []
+    with scale_up_joiner.AdmissionWatchdog(0.0, "joiner", exit_process=exits.append) as dog:
+        assert dog._timer is None  # --elastic-ep-scale-timeout 0: no limit

@@ -26,8 +26,11 @@ ranks' map fills with other experts than it loaded at start-up loads them again
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from sglang_elastic_ep.core.phases import Phase
@@ -36,7 +39,7 @@ from sglang_elastic_ep.sglang.nixl_buffer_hooks import prepare_data_plane
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.replica_loading import own_slots, reload_moved_experts
 from sglang_elastic_ep.sglang.start_up_steps import breakdown, run_step
-from sglang_elastic_ep.sglang.upstream import attached_state, elastic_state
+from sglang_elastic_ep.sglang.upstream import attached_state, elastic_state, scale_timeout_s
 from sglang_elastic_ep.sglang.world_registration import adopt_launch_group_size
 
 logger = get_logger(__name__)
@@ -141,6 +144,48 @@ def _register_and_join(runner: Any) -> None:
         mr.get_global_expert_location_metadata(), rank=global_ep_rank))
 
 
+# The exit code of a joiner that was never admitted (its server then exits non-zero too).
+EXIT_NOT_ADMITTED = 3
+
+
+class AdmissionWatchdog:
+    """Ends a scale joiner's process when it has waited in Mooncake's ``join_group`` longer
+    than ``timeout_s`` (``--elastic-ep-scale-timeout``) after registering its cohort.
+
+    ``join_group`` has no timeout of its own: a joiner whose scale-up was called off (cancelled,
+    timed out on the serving ranks) or whose admission Mooncake gave up on would wait there for
+    ever, alive and silent. By then the serving ranks have dropped the scale, so the joiner
+    exits with :data:`EXIT_NOT_ADMITTED` and a line that says why, and the orchestrator sees a
+    failed process instead of one that never becomes ready. ``timeout_s`` 0: no limit."""
+
+    def __init__(self, timeout_s: float, who: str,
+                 exit_process: Callable[[int], None] = os._exit) -> None:
+        self.timeout_s = timeout_s
+        self.who = who
+        self._exit_process = exit_process
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> AdmissionWatchdog:
+        if self.timeout_s > 0:
+            self._timer = threading.Timer(self.timeout_s, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        logger.error("[elastic-ep] %s was not admitted within --elastic-ep-scale-timeout "
+                     "(%.0f s) of registering its cohort: the serving ranks have dropped that "
+                     "scale-up (cancelled or timed out) or Mooncake gave up on this joiner. It "
+                     "exits %d; POST /scale_elastic_ep again and start a new joiner",
+                     self.who, self.timeout_s, EXIT_NOT_ADMITTED)
+        self._exit_process(EXIT_NOT_ADMITTED)
+
+
 def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``model_runner.join_scale_process_group`` (its cohort registered, the joiner waits
     in Mooncake's ``join_group`` until the serving ranks admit it): builds the joiner's
@@ -162,7 +207,8 @@ def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     logger.info("[elastic-ep] scale joiner for EP ranks %s of %d registered its cohort: waits "
                 "for the serving ranks to admit it (phase %s)", list(machine.ranks),
                 machine.new_size, machine.phase.value)
-    result = run_step(machine, _who(machine), original, *args, **kwargs)
+    with AdmissionWatchdog(scale_timeout_s(), _who(machine)):
+        result = run_step(machine, _who(machine), original, *args, **kwargs)
     machine.admitted(time.monotonic())
     logger.info("[elastic-ep] scale joiner admitted into WORLD after %.1f s: receives the expert "
                 "map (phase %s)",
