@@ -96,6 +96,22 @@ def test_a_launch_rank_and_a_joiner_down_together_let_the_joiner_go_first(wired)
     assert manager.failed == [] and reports == []
 
 
+def test_a_refused_recovery_is_judged_again_once_the_failed_set_changes(wired) -> None:
+    """Launched at 2, grown to 4; node 1 and joiner 2 failed below the live joiner 3: refused
+    (not a tail, and no scale-down with a launch-time rank failed). Once rank 3 stops too, as
+    the refusal asks, the failed joiners [2, 3] are a tail and the survivor lets it go."""
+    manager, reports = wired(state([1, 0, 0, 1], effective=4), [0, 1] * 4)
+    assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
+    (reason,) = manager.failed
+    assert "stop the servers of ranks [3]" in reason, reason
+    assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
+    assert len(manager.failed) == 1 and len(reports) == 1  # the same set: not judged again
+    for mask in (manager.state.active_ranks, manager.state.active_ranks_cpu):
+        mask[3] = 0
+    assert tail_recovery.contraction_target(manager.state, wired.runner) == 2
+    assert len(manager.failed) == 1
+
+
 def test_experts_only_a_dead_launch_rank_held_fail_the_let_go_with_the_reason(wired) -> None:
     # rank 1 held experts 2 and 3 and rank 2 their only other replica: rank 0 cannot serve alone
     manager, _ = wired(state([1, 0, 0, 0], effective=3), [0, 1, 2, 3, 2, 3])

@@ -63,6 +63,8 @@ class TailRecoveryState:
 
     machine: TailRecoveryMachine | None = None
     reported: set[str] = field(default_factory=set)  # errors already logged (each once)
+    # The failed ranks a recovery was refused for: the refusal stands until they change.
+    refused_for: tuple[int, ...] | None = None
 
     @property
     def awaiting_replacement(self) -> bool:
@@ -106,16 +108,20 @@ def contraction_target(state: Any, runner: Any) -> int:
     with the reason, once, and upstream's state says so)."""
     if state.pending_ep_size is not None or not state.has_scaled:
         return 0
-    if state.scale_phase == RECOVERY_UNSUPPORTED:
-        return 0
     mask = live_mask(state)
+    failed = tuple(r for r in range(state.effective_ep_size) if not mask[r])
+    if (state.scale_phase == RECOVERY_UNSUPPORTED
+            and failed == tail_recovery_state(state).refused_for):
+        # Judged already. Another failure can turn the set into a tail to let go (the live
+        # joiner above a failed one stopped, as the refusal asked): judged again then.
+        return 0
     tail = failed_tail(mask, state.effective_ep_size, state.original_ep_size)
     if tail is None or failed_launch_ranks(mask, state.effective_ep_size,
                                            state.original_ep_size):
         return 0  # none failed, or launch-time ranks that rejoin in place (launch_recovery)
     problem = tail.problem or _uncovered_without(tail.first, state.effective_ep_size, mask)
     if problem is not None:
-        _fail_recovery(runner, state, problem)
+        _fail_recovery(runner, state, problem, failed)
         return 0
     return tail.first
 
@@ -159,11 +165,13 @@ def _uncovered_without(first: int, effective: int, mask: list[int]) -> str | Non
             "avoids this; restart the deployment")
 
 
-def _fail_recovery(runner: Any, state: Any, problem: str) -> None:
+def _fail_recovery(runner: Any, state: Any, problem: str, failed: tuple[int, ...]) -> None:
     manager = state_manager()
     manager.fail_recovery(problem)
     runner._report_elastic_scale_failure(problem, state.effective_ep_size)
-    tail_recovery_state(state).report_once(problem)
+    holder = tail_recovery_state(state)
+    holder.refused_for = failed
+    holder.report_once(problem)
 
 
 def let_go_of_failed_tail(runner: Any, target: int) -> None:
