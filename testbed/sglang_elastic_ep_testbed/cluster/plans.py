@@ -294,8 +294,19 @@ class PlanRunner:
                 self.on_relaunch(self, rank, server)
         for rank in nodes:
             self._wait_state(rank, "active", CHANGE_S)
+        tail = [r for r in step.ranks if r not in nodes and r not in holes]
+        if len(tail) > 1 and tail == list(range(tail[0], tail[-1] + 1)):
+            # The survivors let a failed tail go as one and await one cohort for all of it
+            # (one relaunch per rank of a let-go tail is not built): one replacement server.
+            server = self.cluster.start_joiner("recover", rank_offset=tail[0], size=len(tail))
+            for rank in tail:
+                self.joiners[rank] = server
+            for rank in tail:
+                self._wait_state(rank, "active", CHANGE_S)
+        else:
+            tail = []
         for rank in step.ranks:
-            if rank not in nodes:
+            if rank not in nodes and rank not in tail:
                 self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
                 self._wait_state(rank, "active", CHANGE_S)
         if holes:
