@@ -117,6 +117,36 @@ def test_a_failed_pass_takes_this_ranks_row_from_the_device_copy(
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_failed_peers_row_is_its_row_of_the_last_healthy_gather(
+    device: str, groups: dict[str, Any], request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another survivor may have received the dying peer's row and run a forward on it: its
+    last row (it was serving) keeps this rank's decision the same more often than an idle
+    one."""
+    device_case(device, request)
+    group = groups[device]
+    monkeypatch.setattr(dist, "get_backend", lambda g: "mooncake-cpu")
+    last = gather_repair.LastGatheredRows()
+    monkeypatch.setattr(gather_repair, "_failed_peers", lambda work: None)  # a healthy pass
+    seen, host = gather(sent_rows(device), group, seen_through=True)
+    assert gather_repair.repair_after_failed_gather(W.GatherInfo(host, ROWS), seen, group,
+                                                    checked=True, last=last) == []
+    assert last.rows == sent_rows("cpu").tolist()
+    monkeypatch.setattr(gather_repair, "_failed_peers", lambda work: [VICTIM])
+    seen, host = gather(sent_rows(device), group, seen_through=True)
+    host += W.STALE
+    info = W.GatherInfo(host, ROWS)
+    assert gather_repair.repair_after_failed_gather(info, seen, group, checked=True,
+                                                    last=last) == [VICTIM]
+    rows = info.tp0_info_cpu.tolist()
+    assert rows[OWN] == W.sent_row(OWN, 1)
+    assert rows[VICTIM] == W.sent_row(VICTIM, 1)  # its last gathered row
+    assert rows[PEER] == W.IDLE
+    assert info.global_num_tokens == [row[0] for row in rows]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_fallback_without_a_gather_reduces_host_tensors_only(
     device: str, groups: dict[str, Any], request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,

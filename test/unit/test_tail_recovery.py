@@ -204,15 +204,43 @@ def test_the_machine_looks_for_the_replacement_at_most_every_interval() -> None:
     assert not machine.check_due(99.0)  # asked already: upstream's scale-up runs
 
 
-def test_only_a_new_process_registered_for_the_old_size_is_readmitted() -> None:
+def test_only_a_new_process_registered_within_the_failed_slots_is_readmitted() -> None:
     machine = _awaiting(first=2, size=4)
     assert machine.failed_slots == range(2, 4)
     assert machine.replacement_verdict(None, peers_joined=True) is ReplacementVerdict.NOT_YET
     # The dead joiner's registration is still in the store: no new process in its slots yet.
     assert machine.replacement_verdict(4, peers_joined=False) is ReplacementVerdict.NOT_YET
     assert machine.replacement_verdict(4, peers_joined=True) is ReplacementVerdict.READMIT
+    # a replacement of rank 2 alone (one server per rank): its slots come back first
+    assert machine.replacement_verdict(3, peers_joined=True) is ReplacementVerdict.READMIT
+    for beyond in (2, 5):
+        assert machine.replacement_verdict(beyond, True) is ReplacementVerdict.WRONG_SIZE
+    assert "--elastic-ep-join-rank-offset 2 (one server for them all, or one per rank)" \
+        in machine.wrong_size_message(5)
+
+
+def test_a_tail_relaunched_one_rank_at_a_time_comes_back_from_the_lowest_slot_up() -> None:
+    """Joiners 2 and 3 were let go together (back to 4); each is relaunched on its own."""
+    st = SimpleNamespace(pending_ep_size=None, effective_ep_size=2, last_error=None)
+    recovery = tail_recovery.tail_recovery_state(st)
+    recovery.machine = machine = _awaiting(first=2, size=4)
+    machine.readmission_requested(1.0, target=3)  # rank 2's replacement registered for 3
+    st.effective_ep_size = 3
+    tail_recovery.note_committed(st)
+    assert machine.phase is Phase.AWAITING_REPLACEMENT and machine.partly_back == range(2, 3)
+    assert machine.failed_slots == range(3, 4) and recovery.awaiting_replacement
     assert machine.replacement_verdict(3, peers_joined=True) is ReplacementVerdict.WRONG_SIZE
-    assert "--ep-join-mode recover (size 4)" in machine.wrong_size_message(3)
+    machine.readmission_requested(2.0, target=4)  # then rank 3's, registered for 4
+    st.effective_ep_size = 4
+    tail_recovery.note_committed(st)
+    assert machine.phase is Phase.SERVING_RECOVERED and machine.partly_back is None
+
+
+def test_a_failed_partial_readmission_keeps_awaiting_the_same_slots() -> None:
+    machine = _awaiting(first=2, size=4)
+    machine.readmission_requested(1.0, target=3)
+    assert machine.observe(2, scale_pending=False, now=2.0) is Phase.AWAITING_REPLACEMENT
+    assert machine.partly_back is None and machine.failed_slots == range(2, 4)
 
 
 def test_removing_the_failed_slots_ends_the_wait_and_nothing_else_does() -> None:

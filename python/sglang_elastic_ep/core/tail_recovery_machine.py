@@ -8,11 +8,15 @@ what the replacement's registration means, and reports what upstream's scale-up 
     SERVING_DEGRADED --let go (agreed pass)--> AWAITING_REPLACEMENT
     AWAITING_REPLACEMENT --replacement registered, scale back requested--> REJOINING
     REJOINING --admitted at the old size--> SERVING_RECOVERED
+    REJOINING --admitted below the old size--> AWAITING_REPLACEMENT (the slots above are awaited)
     REJOINING --the re-admission failed--> AWAITING_REPLACEMENT (the next replacement is awaited)
     AWAITING_REPLACEMENT --the failed slots removed by a scale-down--> SERVING_CONTRACTED
 
 The replacement itself joins the way the failed ranks first came in, as a scale joiner
-(``scale_up_machine.JoinerMachine``). Nothing here waits: each call answers in O(1).
+(``scale_up_machine.JoinerMachine``): one server for the whole tail, or one per rank (each
+registers at the lowest slot still awaited, so the lowest comes back first, and a higher one
+started earlier waits in its admission until the slots below it are back). Nothing here
+waits: each call answers in O(1).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class TailRecoveryMachine(PhaseMachine):
     started_at: float  # monotonic seconds
     check_interval_s: float = COHORT_CHECK_INTERVAL_S
     next_check_at: float = 0.0
+    readmitting_to: int = 0  # the size the re-admission in progress asked for
+    partly_back: range | None = None  # the slots the last re-admission below the old size refilled
     _tracker: PhaseTracker = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -74,30 +80,43 @@ class TailRecoveryMachine(PhaseMachine):
     def replacement_verdict(self, cohort_target: int | None, peers_joined: bool
                             ) -> ReplacementVerdict:
         """``cohort_target``: the size the joiner registered at the first failed slot asked
-        for (None: no registration). ``peers_joined``: Mooncake shows a process in every failed
-        slot. The dead joiner's registration stays in the store with the same payload, so only
-        the peer state tells that a new process is there."""
+        for (None: no registration): the old size, or less for a replacement of the lowest
+        failed slots only. ``peers_joined``: Mooncake shows a process in every slot from the
+        first failed one up to ``cohort_target``. The dead joiner's registration stays in the
+        store with the same payload, so only the peer state tells that a new process is
+        there."""
         if cohort_target is None:
             return ReplacementVerdict.NOT_YET
-        if cohort_target != self.return_to:
+        if not self.first_failed < cohort_target <= self.return_to:
             return ReplacementVerdict.WRONG_SIZE
         return ReplacementVerdict.READMIT if peers_joined else ReplacementVerdict.NOT_YET
 
     def wrong_size_message(self, cohort_target: int) -> str:
         return (f"a joiner registered for size {cohort_target} while ranks "
                 f"{self.first_failed}..{self.return_to - 1} await their replacement: relaunch "
-                f"them with --ep-join-mode recover (size {self.return_to})")
+                f"them with --ep-join-mode recover from --elastic-ep-join-rank-offset "
+                f"{self.first_failed} (one server for them all, or one per rank)")
 
-    def readmission_requested(self, now: float) -> None:
+    def readmission_requested(self, now: float, target: int | None = None) -> None:
+        """The re-admission up to ``target`` (default: the old size) was asked for."""
+        self.readmitting_to = self.return_to if target is None else target
         self._tracker.advance(Phase.REJOINING, now)
 
     def observe(self, effective_size: int, scale_pending: bool, now: float) -> Phase | None:
         """After upstream's per-pass step: the phase entered when the re-admission ended
-        (recovered at the old size, or failed: the next replacement is awaited), else None."""
+        (recovered at the old size; or the slots below the size it asked for are back, and
+        ``partly_back`` names them, the ones above are awaited; or failed: the next
+        replacement is awaited), else None."""
         if self.phase is not Phase.REJOINING or scale_pending:
             return None
-        to = Phase.SERVING_RECOVERED if effective_size == self.return_to \
-            else Phase.AWAITING_REPLACEMENT
+        self.partly_back = None
+        if effective_size == self.return_to:
+            to = Phase.SERVING_RECOVERED
+        else:
+            to = Phase.AWAITING_REPLACEMENT
+            if self.first_failed < effective_size == self.readmitting_to:
+                self.partly_back = range(self.first_failed, effective_size)
+                self.first_failed = effective_size
         self._tracker.advance(to, now)
         return to
 

@@ -21,8 +21,14 @@ included (a scheduler then died padding its batch to its own count minus one). A
 missed a peer's tensor also missed its completion flag, so Mooncake reports the all-reduce as
 not locally successful and names the failed peers (``get_local_success``,
 ``get_failed_ranks_hint``). On such a pass the survivor takes its own row back from what it
-sent and the failed peers' rows as idle (``repair_after_failed_gather``). A survivor that did
-receive the peer's tensor has correct rows and reports success.
+sent and the failed peers' rows as they were in the last gather that completed with them
+(``repair_after_failed_gather``; idle when there is none). A survivor that did receive the
+peer's tensor has correct rows and reports success. The last row rather than an idle one:
+another survivor may have received the dying peer's current row, and decides from it whether
+the pass runs a forward; a peer that died while serving most likely still had work, and one
+that died idle most likely had none, so the last row makes both survivors decide alike far
+more often (an idle row made the one that missed it skip a forward the other ran, and each
+then took the other for failed).
 
 The other live peers' rows on such a survivor hold stale bytes only when they came from a
 collective of another shape on the same buffer slot. During the agreement's gather each row
@@ -111,6 +117,37 @@ def _derive_again(info: Any, view: Any) -> None:
 
 
 @dataclass
+class LastGatheredRows:
+    """The host rows of this rank's last gather that completed with every peer (one per
+    process, on upstream's elastic state): a failed peer's row on the next pass."""
+
+    rows: list[list[int]] | None = None
+
+    def keep(self, info: Any) -> None:
+        full = _full_rows(info)
+        self.rows = None if full is None else full.tolist()
+
+    def row(self, rank: int, width: int) -> list[int] | None:
+        rows = self.rows
+        if rows is None or rank >= len(rows) or len(rows[rank]) != width:
+            return None
+        return rows[rank]
+
+
+def _full_rows(info: Any) -> Any:
+    """Every gathered row on the host (upstream keeps them behind ``tp0_info_cpu``), or None."""
+    view = getattr(info, "tp0_info_cpu", None)
+    if view is None or view.device.type != "cpu" or view.dim() != 2:
+        return None
+    width = int(view.shape[1])
+    rows = int(info.num_dp_ranks) * int(info.tp_size) * int(info.cp_size)
+    if view.untyped_storage().nbytes() < (view.storage_offset() + rows * width) \
+            * view.element_size():
+        return None
+    return view.as_strided((rows, width), (width, 1), view.storage_offset())
+
+
+@dataclass
 class AllReduceSeen:
     """This rank's all-reduce of the pass's rows: its work handle and a device copy of the row
     it sent (taken before the collective, so no host access on a healthy pass)."""
@@ -165,28 +202,32 @@ def _failed_peers(work: Any) -> list[int] | None:
 
 
 def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
-                               checked: bool = False) -> list[int]:
+                               checked: bool = False,
+                               last: LastGatheredRows | None = None) -> list[int]:
     """After the all-reduce of the pass's rows reported a failed peer on this rank (module
-    docstring): this rank's own row is what it sent, the failed peers' rows are idle, and with
-    ``checked`` (rows end with ``row_check``) so are other rows whose check fails. The failed
-    peers (none on a pass that completed with every peer)."""
+    docstring): this rank's own row is what it sent, each failed peer's row is its row in
+    ``last`` (idle without one), and with ``checked`` (rows end with ``row_check``) other rows
+    whose check fails are idle. The failed peers (none on a pass that completed with every
+    peer; ``last`` then keeps this pass's rows)."""
     import torch.distributed as dist
 
     if seen.work is None or not str(dist.get_backend(group)).startswith("mooncake"):
         return []
     failed = _failed_peers(seen.work)
     if failed is None:
+        if last is not None:
+            last.keep(info)
         return []
     view = getattr(info, "tp0_info_cpu", None)
-    if view is None or view.device.type != "cpu" or view.dim() != 2:
+    full = _full_rows(info)
+    if full is None:
         return failed
-    width = int(view.shape[1])
-    rows = int(info.num_dp_ranks) * int(info.tp_size) * int(info.cp_size)
-    full = view.as_strided((rows, width), (width, 1), view.storage_offset())
+    rows, width = int(full.shape[0]), int(full.shape[1])
     fallback = info._get_fallback_tensor(device="cpu")
     for rank in failed:
         if rank < rows and rank != seen.own_index and fallback.numel() == width:
-            full[rank] = fallback
+            known = last.row(rank, width) if last is not None else None
+            full[rank] = fallback if known is None else fallback.new_tensor(known)
     if 0 <= seen.own_index < rows:
         full[seen.own_index] = seen.own_row.to("cpu")
     stale = _rows_failing_their_check(full, fallback, skip={seen.own_index, *failed}) \
@@ -195,8 +236,9 @@ def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
         full[index] = fallback
     _derive_again(info, view)
     logger.warning("[elastic-ep] the DP gather completed without peers %s (they failed during "
-                   "it): this rank's row is what it sent, theirs are idle for this pass%s",
-                   failed, f"; rows {stale} failed their check and are idle too" if stale else "")
+                   "it): this rank's row is what it sent, theirs are their last gathered rows "
+                   "for this pass%s", failed,
+                   f"; rows {stale} failed their check and are idle" if stale else "")
     return failed
 
 

@@ -38,6 +38,7 @@ from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.core.tail_recovery_machine import ReplacementVerdict, TailRecoveryMachine
 from sglang_elastic_ep.sglang.gather_repair import (
+    LastGatheredRows,
     repair_after_failed_gather,
     repair_after_gather,
     seeing_the_all_reduce,
@@ -77,6 +78,7 @@ class TailRecoveryState:
 
 
 _STATE_ATTR = "_elastic_ep_tail_recovery"
+_LAST_ROWS_ATTR = "_elastic_ep_last_gathered_rows"
 
 
 def tail_recovery_state(state: Any) -> TailRecoveryState:
@@ -186,8 +188,9 @@ def let_go_of_failed_tail(runner: Any, target: int) -> None:
     state.scale_phase = machine.phase.value
     logger.warning(
         "[elastic-ep] ranks %d..%d failed; the survivors let go of their slots and serve on %d "
-        "ranks. Relaunch the failed joiner with --ep-join-mode recover "
-        "--elastic-ep-join-rank-offset %d to return to %d ranks",
+        "ranks. Relaunch the failed joiners with --ep-join-mode recover (their own "
+        "--elastic-ep-join-rank-offset, one server per rank or one from %d for them all) to "
+        "return to %d ranks",
         target, old - 1, target, target, old,
     )
 
@@ -231,18 +234,19 @@ def request_return_when_replacement_registered(state: Any) -> None:
     cohort = get_scale_cohort(state.effective_ep_size)
     target = None if cohort is None else int(cohort.target_ep_size)
     peers_joined = False
-    if target == machine.return_to:
+    if target is not None and machine.first_failed < target <= machine.return_to:
         from mooncake.pg import get_peer_state
 
-        peers_joined = all(get_peer_state(dist.group.WORLD, list(machine.failed_slots)))
+        peers_joined = all(get_peer_state(dist.group.WORLD,
+                                          list(range(machine.first_failed, target))))
     verdict = machine.replacement_verdict(target, peers_joined)
     if verdict is ReplacementVerdict.WRONG_SIZE and target is not None:
         recovery.report_once(machine.wrong_size_message(target))
-    elif verdict is ReplacementVerdict.READMIT and state_manager().request_scale(
-            machine.return_to):
-        machine.readmission_requested(time.monotonic())
+    elif verdict is ReplacementVerdict.READMIT and target is not None \
+            and state_manager().request_scale(target):
+        machine.readmission_requested(time.monotonic(), target)
         logger.info("[elastic-ep] replacement for ranks %d..%d registered: re-admitting it",
-                    machine.first_failed, machine.return_to - 1)
+                    machine.first_failed, target - 1)
 
 
 def note_committed(state: Any) -> None:
@@ -256,6 +260,10 @@ def note_committed(state: Any) -> None:
     if entered is Phase.SERVING_RECOVERED:
         logger.info("[elastic-ep] recovered ranks that joined by scale-up: back at %d ranks",
                     machine.return_to)
+    elif entered is Phase.AWAITING_REPLACEMENT and machine.partly_back is not None:
+        logger.info("[elastic-ep] ranks %s are back (%d ranks); ranks %d..%d await their "
+                    "replacement", list(machine.partly_back), machine.first_failed,
+                    machine.first_failed, machine.return_to - 1)
     elif entered is Phase.AWAITING_REPLACEMENT:
         logger.warning("[elastic-ep] re-admitting ranks %d..%d failed (%s): waiting for the "
                        "next replacement", machine.first_failed, machine.return_to - 1,
@@ -355,7 +363,9 @@ def gather_seeing_failures(
             result = original(info, device, group, use_all_reduce)
     finally:
         tp_group.active_ranks, tp_group.active_ranks_cpu = saved
-    failed = repair_after_failed_gather(info, seen, group, checked=checked_rows)
+    failed = repair_after_failed_gather(
+        info, seen, group, checked=checked_rows,
+        last=attached_state(state, _LAST_ROWS_ATTR, LastGatheredRows))
     repair_after_gather(info)
     return result, failed
 

@@ -287,26 +287,16 @@ class PlanRunner:
         # A refilled launch slot is a joiner's.
         nodes = [r for r in step.ranks if r < launch and r not in self.joiners]
         # Launch-time ranks first, all at once: the survivors take them back together, once
-        # every replacement is in WORLD. Then the joiners, one at a time.
+        # every replacement is in WORLD. Then the joiners, one at a time, from the lowest:
+        # a let-go tail of several comes back one rank at a time.
         for rank in nodes:
             server = self.cluster.start_node(rank, recover=True)
             if self.on_relaunch is not None:
                 self.on_relaunch(self, rank, server)
         for rank in nodes:
             self._wait_state(rank, "active", CHANGE_S)
-        tail = [r for r in step.ranks if r not in nodes and r not in holes]
-        if len(tail) > 1 and tail == list(range(tail[0], tail[-1] + 1)):
-            # The survivors let a failed tail go as one and await one cohort for all of it
-            # (one relaunch per rank of a let-go tail is not built): one replacement server.
-            server = self.cluster.start_joiner("recover", rank_offset=tail[0], size=len(tail))
-            for rank in tail:
-                self.joiners[rank] = server
-            for rank in tail:
-                self._wait_state(rank, "active", CHANGE_S)
-        else:
-            tail = []
         for rank in step.ranks:
-            if rank not in nodes and rank not in tail:
+            if rank not in nodes:
                 self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
                 self._wait_state(rank, "active", CHANGE_S)
         if holes:
