@@ -201,3 +201,59 @@ def test_an_admitted_joiner_or_one_without_a_timeout_is_never_ended() -> None:
     assert not timer.is_alive() and exits == []
     with scale_up_joiner.AdmissionWatchdog(0.0, "joiner", exit_process=exits.append) as dog:
         assert dog._timer is None  # --elastic-ep-scale-timeout 0: no limit
+
+
+class FakeStore:
+    """The rendezvous store's calls the tail handoff uses."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def delete_key(self, key: str) -> bool:
+        return self.values.pop(key, None) is not None
+
+
+def test_a_replacement_of_the_lowest_slots_of_a_tail_waits_for_the_rest_with_the_survivors(
+        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Joiners 2 and 3 were let go together; rank 2's replacement is re-admitted at 3 while
+    the survivors still await 4: it learns so before its commit barrier and awaits it too (its
+    proposal must match theirs when rank 3's replacement registers)."""
+    from sglang_elastic_ep.sglang import tail_recovery
+
+    store = FakeStore()
+    monkeypatch.setattr(tail_recovery, "_rendezvous_store", lambda: store)
+    tail_recovery._announce_partial_return(3, 4)  # a survivor, as it asks for size 3
+    state = scale_up_joiner.elastic_state()
+    state.effective_ep_size = 2
+    join_world(lambda: None)
+
+    def barrier(runner: Any, size: int) -> None:
+        state.effective_ep_size = size
+        tail_recovery._withdraw_partial_return(size)  # the survivors, once it committed
+
+    commit_joining(barrier, RUNNER, 3)
+    machine = tail_recovery.tail_recovery_state(state).machine
+    assert machine is not None and machine.awaiting_replacement
+    assert machine.failed_slots == range(3, 4)
+    assert tail_recovery.tail_awaited_above(3) == 0 and store.values == {}
+
+
+def test_a_joiner_of_an_ordinary_scale_up_awaits_no_tail(
+        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep.sglang import tail_recovery
+
+    monkeypatch.setattr(tail_recovery, "_rendezvous_store", lambda: FakeStore())
+    state = scale_up_joiner.elastic_state()
+    state.effective_ep_size = 2
+    join_world(lambda: None)
+    commit_joining(lambda runner, size: setattr(state, "effective_ep_size", size), RUNNER, 3)
+    assert tail_recovery.tail_recovery_state(state).machine is None

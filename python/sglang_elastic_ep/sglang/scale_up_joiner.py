@@ -35,6 +35,7 @@ from typing import Any
 
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_up_machine import JoinerMachine
+from sglang_elastic_ep.sglang import tail_recovery
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import prepare_data_plane
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.replica_loading import own_slots, reload_moved_experts
@@ -231,9 +232,12 @@ def commit_joining(original: Any, runner: Any, target_size: int) -> Any:
     if machine is None or machine.done:
         return original(runner, target_size)
     reload_moved_experts(runner, runner._elastic_global_rank(), holder.loaded)
+    # A replacement of the lowest slots of a let-go tail: the survivors still await the rest.
+    awaited = tail_recovery.tail_awaited_above(machine.new_size)
     machine.syncing(time.monotonic())
     result = run_step(machine, _who(machine), original, runner, target_size)
     machine.serving(time.monotonic())
+    tail_recovery.await_the_tail_with_the_survivors(state, awaited)
     logger.info("[elastic-ep] scale joiner serves EP ranks %s at EP size %d; its start-up: %s",
                 list(machine.ranks), machine.new_size, breakdown(machine))
     return result

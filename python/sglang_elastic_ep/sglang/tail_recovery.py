@@ -206,7 +206,7 @@ def await_the_tail_with_the_survivors(state: Any, return_to: int) -> None:
     """On a launch-time rank's replacement that rejoins while the survivors wait for a let-go
     tail's replacement (to ``return_to``; 0: none): it waits with them, so that every rank asks
     for the old size when that replacement registers and the agreement can admit it."""
-    if return_to <= int(state.effective_ep_size):
+    if not return_to or return_to <= int(state.effective_ep_size):
         return
     now = time.monotonic()
     machine = TailRecoveryMachine(first_failed=int(state.effective_ep_size),
@@ -215,6 +215,40 @@ def await_the_tail_with_the_survivors(state: Any, return_to: int) -> None:
     tail_recovery_state(state).machine = machine
     logger.info("[elastic-ep] the survivors wait for the replacement of ranks %d..%d: this rank "
                 "waits with them", machine.first_failed, return_to - 1)
+
+
+# In the rendezvous store while the survivors re-admit the lowest slots of a let-go tail below
+# its old size: ``{prefix}/{size re-admitted to}`` -> the old size. The replacement reads it
+# before its commit barrier and waits for the rest of the tail with the survivors.
+AWAITED_TAIL_KEY_PREFIX = "sglang_eep/awaited_tail"
+
+
+def _rendezvous_store() -> Any:
+    from sglang.srt.distributed.utils import get_global_tcp_store
+
+    return get_global_tcp_store()
+
+
+def tail_awaited_above(size: int) -> int:
+    """The old size the survivors still await once a replacement has brought them to ``size``
+    (0: none; read by a scale joiner before its commit barrier)."""
+    store = _rendezvous_store()
+    key = f"{AWAITED_TAIL_KEY_PREFIX}/{size}"
+    if store is None or not store.check([key]):
+        return 0
+    return int(store.get(key).decode())
+
+
+def _announce_partial_return(target: int, return_to: int) -> None:
+    store = _rendezvous_store()
+    if store is not None and target < return_to:
+        store.set(f"{AWAITED_TAIL_KEY_PREFIX}/{target}", str(return_to))
+
+
+def _withdraw_partial_return(target: int) -> None:
+    store = _rendezvous_store()
+    if store is not None and target:
+        store.delete_key(f"{AWAITED_TAIL_KEY_PREFIX}/{target}")
 
 
 def request_return_when_replacement_registered(state: Any) -> None:
@@ -244,6 +278,7 @@ def request_return_when_replacement_registered(state: Any) -> None:
         recovery.report_once(machine.wrong_size_message(target))
     elif verdict is ReplacementVerdict.READMIT and target is not None \
             and state_manager().request_scale(target):
+        _announce_partial_return(target, machine.return_to)
         machine.readmission_requested(time.monotonic(), target)
         logger.info("[elastic-ep] replacement for ranks %d..%d registered: re-admitting it",
                     machine.first_failed, target - 1)
@@ -255,8 +290,11 @@ def note_committed(state: Any) -> None:
     machine = tail_recovery_state(state).machine
     if machine is None:
         return
+    asked = machine.readmitting_to
     entered = machine.observe(int(state.effective_ep_size), state.pending_ep_size is not None,
                               time.monotonic())
+    if entered is not None:  # the re-admitted replacement has read it before its commit
+        _withdraw_partial_return(asked if asked < machine.return_to else 0)
     if entered is Phase.SERVING_RECOVERED:
         logger.info("[elastic-ep] recovered ranks that joined by scale-up: back at %d ranks",
                     machine.return_to)
