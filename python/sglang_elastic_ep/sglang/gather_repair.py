@@ -26,7 +26,7 @@ sent and the failed peers' rows as they were in the last gather that completed w
 peer's tensor has correct rows and reports success. The last row rather than an idle one:
 another survivor may have received the dying peer's current row, and decides from it whether
 the pass runs a forward; a peer that died while serving most likely still had work, and one
-that died idle most likely had none, so the last row makes both survivors decide alike far
+that died idle most likely had none, so the last row makes both survivors decide alike
 more often (an idle row made the one that missed it skip a forward the other ran, and each
 then took the other for failed).
 
