@@ -132,7 +132,7 @@ def test_a_failed_peers_row_is_its_row_of_the_last_healthy_gather(
     seen, host = gather(sent_rows(device), group, seen_through=True)
     assert gather_repair.repair_after_failed_gather(W.GatherInfo(host, ROWS), seen, group,
                                                     checked=True, last=last) == []
-    assert last.rows == sent_rows("cpu").tolist()
+    assert last.rows.tolist() == sent_rows("cpu").tolist()
     monkeypatch.setattr(gather_repair, "_failed_peers", lambda work: [VICTIM])
     seen, host = gather(sent_rows(device), group, seen_through=True)
     host += W.STALE

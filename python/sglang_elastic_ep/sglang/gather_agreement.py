@@ -41,7 +41,7 @@ from sglang_elastic_ep.core.agreement import (
     pack_row,
 )
 from sglang_elastic_ep.sglang import expert_health, launch_recovery, tail_recovery
-from sglang_elastic_ep.sglang.gather_repair import row_check
+from sglang_elastic_ep.sglang.gather_repair import full_rows, row_check
 from sglang_elastic_ep.sglang.pass_progress import pass_progress
 from sglang_elastic_ep.sglang.pass_round import (
     AGREEMENT_ATTR,
@@ -319,15 +319,12 @@ def gathered_columns(info: Any, upstream_width: int, width: int) -> list[list[in
     """
     view = info.tp0_info_cpu
     total = upstream_width + width + CHECK_COLUMNS
-    rows = int(info.num_dp_ranks) * int(info.tp_size) * int(info.cp_size)
-    if view is None or view.device.type != "cpu" or view.dim() != 2 or view.shape[1] != total:
+    full = full_rows(info)
+    if full is None or full.shape[1] != total:
         raise RuntimeError(f"unexpected gathered rows: {None if view is None else view.shape} "
                            f"on {None if view is None else view.device}, expected "
-                           f"[{int(info.num_dp_ranks)}, {total}] in host memory")
-    needed = (view.storage_offset() + rows * total) * view.element_size()
-    if view.untyped_storage().nbytes() < needed:
-        raise RuntimeError(f"the gathered rows' host copy holds fewer than {rows} rows")
-    full = view.as_strided((rows, total), (total, 1), view.storage_offset())
+                           f"[{int(info.num_dp_ranks)}, {total}] in host memory, every row "
+                           "of the gather in its storage")
     return full[:, upstream_width:upstream_width + width].tolist()
 
 

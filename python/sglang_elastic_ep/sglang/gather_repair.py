@@ -27,8 +27,8 @@ peer's tensor has correct rows and reports success. The last row rather than an 
 another survivor may have received the dying peer's current row, and decides from it whether
 the pass runs a forward; a peer that died while serving most likely still had work, and one
 that died idle most likely had none, so the last row makes both survivors decide alike
-more often (an idle row made the one that missed it skip a forward the other ran, and each
-then took the other for failed).
+more often (with an idle row there, the one that missed it skips a forward the other runs,
+and each takes the other for failed).
 
 The other live peers' rows on such a survivor hold stale bytes only when they came from a
 collective of another shape on the same buffer slot. During the agreement's gather each row
@@ -121,20 +121,20 @@ class LastGatheredRows:
     """The host rows of this rank's last gather that completed with every peer (one per
     process, on upstream's elastic state): a failed peer's row on the next pass."""
 
-    rows: list[list[int]] | None = None
+    rows: Any = None  # a host tensor [rows, width]
 
     def keep(self, info: Any) -> None:
-        full = _full_rows(info)
-        self.rows = None if full is None else full.tolist()
+        full = full_rows(info)
+        self.rows = None if full is None else full.clone()
 
-    def row(self, rank: int, width: int) -> list[int] | None:
+    def row(self, rank: int, width: int) -> Any:
         rows = self.rows
-        if rows is None or rank >= len(rows) or len(rows[rank]) != width:
+        if rows is None or rank >= rows.shape[0] or rows.shape[1] != width:
             return None
         return rows[rank]
 
 
-def _full_rows(info: Any) -> Any:
+def full_rows(info: Any) -> Any:
     """Every gathered row on the host (upstream keeps them behind ``tp0_info_cpu``), or None."""
     view = getattr(info, "tp0_info_cpu", None)
     if view is None or view.device.type != "cpu" or view.dim() != 2:
@@ -219,7 +219,7 @@ def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
             last.keep(info)
         return []
     view = getattr(info, "tp0_info_cpu", None)
-    full = _full_rows(info)
+    full = full_rows(info)
     if full is None:
         return failed
     rows, width = int(full.shape[0]), int(full.shape[1])
@@ -227,7 +227,7 @@ def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
     for rank in failed:
         if rank < rows and rank != seen.own_index and fallback.numel() == width:
             known = last.row(rank, width) if last is not None else None
-            full[rank] = fallback if known is None else fallback.new_tensor(known)
+            full[rank] = fallback if known is None else known
     if 0 <= seen.own_index < rows:
         full[seen.own_index] = seen.own_row.to("cpu")
     stale = _rows_failing_their_check(full, fallback, skip={seen.own_index, *failed}) \

@@ -247,7 +247,7 @@ def _announce_partial_return(target: int, return_to: int) -> None:
 
 def _withdraw_partial_return(target: int) -> None:
     store = _rendezvous_store()
-    if store is not None and target:
+    if store is not None:
         store.delete_key(f"{AWAITED_TAIL_KEY_PREFIX}/{target}")
 
 
@@ -293,8 +293,8 @@ def note_committed(state: Any) -> None:
     asked = machine.readmitting_to
     entered = machine.observe(int(state.effective_ep_size), state.pending_ep_size is not None,
                               time.monotonic())
-    if entered is not None:  # the re-admitted replacement has read it before its commit
-        _withdraw_partial_return(asked if asked < machine.return_to else 0)
+    if entered is not None and asked < machine.return_to:  # read before its commit barrier
+        _withdraw_partial_return(asked)
     if entered is Phase.SERVING_RECOVERED:
         logger.info("[elastic-ep] recovered ranks that joined by scale-up: back at %d ranks",
                     machine.return_to)

@@ -30,6 +30,13 @@ SCHEDULER_ANSWER_TIMEOUT_S = 60.0  # every live scheduler answers a scale reques
 # The schedulers' scale_phase (as the tokenizer reports it) -> the operation's phase.
 UPSTREAM_PHASES = {p.value: p for p in Phase}
 
+
+
+def phase_of(state: dict[str, Any]) -> Phase | None:
+    """The operation phase of the schedulers' ``scale_phase`` in the tokenizer's state."""
+    return UPSTREAM_PHASES.get(str(state.get("scale_phase")))
+
+
 LOST_TO_DRAIN_TIMEOUT = (
     "the scale-down drained DP shard {shard} (EP ranks leaving) and this request was still "
     "running after --elastic-ep-drain-timeout ({timeout:g} s); it was ended, nothing more "
@@ -199,7 +206,7 @@ class UpstreamEngine:
             raise RuntimeError(f"drain confirmation refused: {refused[0]}")
 
     def _phase(self) -> Phase | None:
-        return UPSTREAM_PHASES.get(str(self._tm.get_elastic_ep_state().get("scale_phase")))
+        return phase_of(self._tm.get_elastic_ep_state())
 
     async def _answers_unless_decided(self, answers: Any) -> list[Any] | None:
         """The schedulers' answers to a drain confirmation, or None once their reported phase
@@ -230,7 +237,7 @@ class UpstreamEngine:
         reason when they called it off meanwhile (a staying rank died before the HTTP process
         saw it, so the confirmation waited for it), else ``exc``."""
         state = self._tm.get_elastic_ep_state()
-        if UPSTREAM_PHASES.get(str(state.get("scale_phase"))) is Phase.FAILED \
+        if phase_of(state) is Phase.FAILED \
                 and state.get("last_error"):
             return str(state["last_error"])
         return str(exc)
@@ -243,7 +250,7 @@ class UpstreamEngine:
         last = None
         while True:
             state = self._tm.get_elastic_ep_state()
-            phase = UPSTREAM_PHASES.get(str(state.get("scale_phase")))
+            phase = phase_of(state)
             if draining:
                 running = self._router.still_running(leaving, self._tm.rid_to_state)
                 if not any(running.values()):

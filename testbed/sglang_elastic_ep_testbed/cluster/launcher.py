@@ -164,8 +164,9 @@ class ServerProcess:
     """One ``sglang.launch_server`` process (and its children), started in its own session.
 
     Its own session gives it its own CPU share under Linux's scheduler autogroups, which slows
-    a grown cluster on two cores; one session for all servers is not used because ranks then
-    stalled in a pass (docs/cpu-testbed.md, "One session for every server of a cluster")."""
+    a grown cluster on two cores; one session for all servers is not used: a soak run with it
+    had a rank stall 30 s in a pass, cause unknown (docs/cpu-testbed.md, "One session for every
+    server of a cluster")."""
 
     def __init__(
         self,
