@@ -30,6 +30,33 @@ from sglang_elastic_ep_testbed.cluster.observe import post_scale  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.procs import process_tree  # noqa: E402
 
 SHM = Path("/dev/shm")
+# The mappings of rank 0's scheduler whose RSS changed most between the first cycle and the
+# last: where its growth lives (the malloc heap, anonymous mappings, or a file).
+TOP_MAPPINGS = 8
+
+
+def rss_by_mapping(pid: int) -> dict[str, float]:
+    """RSS (KiB) of process ``pid`` per mapping name from /proc/PID/smaps: a file's path,
+    ``[heap]``, ``[stack]``, or ``[anon]`` for anonymous mappings (malloc's arenas and large
+    blocks, Python's arenas, torch's allocations)."""
+    rss: dict[str, float] = {}
+    name = "[anon]"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's header line
+            fields = rest.split(None, 4)
+            name = fields[4].strip() if len(fields) == 5 else "[anon]"
+        elif head == "Rss:":
+            rss[name] = rss.get(name, 0.0) + float(rest.split()[0])
+    return rss
+
+
+def mapping_growth(before: dict[str, float], after: dict[str, float]
+                   ) -> list[tuple[str, float, float]]:
+    """(mapping, KiB before, KiB after) for the mappings whose RSS changed most."""
+    names = set(before) | set(after)
+    changed = sorted(names, key=lambda n: -abs(after.get(n, 0.0) - before.get(n, 0.0)))
+    return [(n, before.get(n, 0.0), after.get(n, 0.0)) for n in changed[:TOP_MAPPINGS]]
 
 
 def held(cluster: LocalCluster) -> dict[str, float]:
@@ -38,7 +65,9 @@ def held(cluster: LocalCluster) -> dict[str, float]:
     assert cluster.primary is not None
     out: dict[str, float] = {}
     for rank, pid in sorted(cluster.primary.scheduler_pids().items()):
-        out[f"rss_rank{rank}_mib"] = psutil.Process(pid).memory_info().rss / 2**20
+        memory = psutil.Process(pid).memory_full_info()
+        out[f"rss_rank{rank}_mib"] = memory.rss / 2**20
+        out[f"uss_rank{rank}_mib"] = memory.uss / 2**20  # pages of its own, shared ones out
     fds = threads = close_wait = 0
     ports: set[int] = set()
     for proc in process_tree(cluster.primary.pid):
@@ -82,9 +111,13 @@ def latency_ms(load: LoadClient, since: float, until: float) -> tuple[float, flo
     return statistics.median(done), p99
 
 
-def run(cycles: int, settle_s: float) -> tuple[list[dict[str, float]], int, int]:
-    """The per-cycle figures (cycle 0: before the first), requests and failed requests."""
+def run(cycles: int, settle_s: float
+        ) -> tuple[list[dict[str, float]], int, int, list[tuple[str, float, float]]]:
+    """The per-cycle figures (cycle 0: before the first), requests, failed requests, and the
+    mappings of rank 0's scheduler that grew most from cycle 1 to the last."""
     rows: list[dict[str, float]] = []
+    first_maps: dict[str, float] = {}
+    last_maps: dict[str, float] = {}
     # The configuration of the scale-up once seen hanging in its commit (docs/design.md).
     with LocalCluster(tiny_spec(extra_args=REPLICATED)) as cluster:
         load = LoadClient(cluster.url, concurrency=2, max_new_tokens=8).start()
@@ -104,11 +137,14 @@ def run(cycles: int, settle_s: float) -> tuple[list[dict[str, float]], int, int]
                 end = time.monotonic()
                 p50, p99 = latency_ms(load, start, end)
                 rows.append({"cycle": cycle, **held(cluster), "p50_ms": p50, "p99_ms": p99})
+                last_maps = rss_by_mapping(cluster.primary.scheduler_pids()[0])
+                first_maps = first_maps or last_maps
                 print(rows[-1], flush=True)
                 start = end
         finally:
             results = load.stop()
-    return rows, len(results), sum(not r.ok for r in results)
+    return (rows, len(results), sum(not r.ok for r in results),
+            mapping_growth(first_maps, last_maps))
 
 
 def growth(rows: list[dict[str, float]], key: str) -> tuple[float, float]:
@@ -124,7 +160,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--settle-seconds", type=float, default=10.0)
     args = parser.parse_args()
-    rows, requests, failed = run(args.cycles, args.settle_seconds)
+    rows, requests, failed, mappings = run(args.cycles, args.settle_seconds)
     keys = [k for k in rows[0] if k != "cycle"]
     lines = [
         *section_head(f"Soak: {args.cycles} cycles of 2 -> 3 -> 2 under load",
@@ -147,6 +183,10 @@ def main() -> None:
             continue
         total, step = growth(rows, key)
         lines.append(f"| {key} | {total:+.0f} | {step:+.0f} |")
+    lines += ["", "Rank 0's scheduler, RSS by mapping (/proc/PID/smaps), the mappings that "
+              "changed most from cycle 1 to the last:", "",
+              "| mapping | cycle 1 (KiB) | last (KiB) | change (KiB) |", "|---|---:|---:|---:|"]
+    lines += [f"| `{name}` | {a:.0f} | {b:.0f} | {b - a:+.0f} |" for name, a, b in mappings]
     lines += ["", f"{requests} requests, {failed} failed."]
     write_section("soak", "\n".join(lines))
 

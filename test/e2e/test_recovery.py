@@ -287,6 +287,39 @@ def test_two_launch_nodes_killed_at_once_after_a_scale_both_rejoin(tiny_model: P
         assert read_status(cluster.url)["effective_ep_size"] == 4
 
 
+HIGHEST_FIRST = (Path(__file__).parents[1] / "plans"
+                 / "kill_a_node_and_joiners_then_relaunch_them_highest_first.json")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(3600)
+def test_failed_ranks_relaunched_at_once_highest_first_all_come_back(tiny_model: Path) -> None:
+    """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, -3],
+    [0, 1, 2, 3]] with every recover step relaunching its failed ranks at once, the highest
+    first and the joiners before the launch-time node (an orchestrator restarting failed pods
+    in any order). First node 1 and joiner 2 die together: joiner 2's replacement starts first
+    and waits in its admission until node 1's replacement has rejoined in place. Then, at four
+    ranks, both joiners die: rank 3's replacement starts first and waits until rank 2's is
+    re-admitted at 3 ranks, then comes in at 4. The runner checks every step (sets, serving
+    shards, lost requests, outputs); four clients, as in the plan of a node and its joiner
+    killed together."""
+    steps = load_plan(HIGHEST_FIRST)
+    spec = plan_spec(tiny_model, steps)
+    assert spec.nodes == 2
+    with LocalCluster(spec) as cluster:
+        runner = run_plan(cluster, steps, concurrency=4, relaunch_order="highest_first")
+        survivor_log = cluster.primary.log_path.read_text(errors="replace")
+        rejoined = survivor_log.index("launch-time ranks [1] rejoined: serving on 2 ranks again")
+        readmitted = survivor_log.index("replacement for ranks 2..2 registered: re-admitting it")
+        assert rejoined < readmitted  # the joiner started first waited for the node
+        assert "ranks [2] are back (3 ranks); ranks 3..3 await their replacement" in survivor_log
+        assert "recovered ranks that joined by scale-up: back at 4 ranks" in survivor_log
+        for rank in (2, 3):
+            log = runner.joiners[rank].log_path.read_text(errors="replace")
+            assert f"scale joiner serves EP ranks [{rank}] at EP size {rank + 1}" in log, rank
+        assert read_status(cluster.url)["effective_ep_size"] == 4
+
+
 BEFORE_ANY_SCALE = (Path(__file__).parents[1] / "plans"
                     / "kill_a_launch_node_with_two_survivors.json")
 

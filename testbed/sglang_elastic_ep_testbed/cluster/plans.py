@@ -66,6 +66,12 @@ StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "remove", "sta
 # "server": a kill takes the rank's whole server (the machine died); "scheduler": only its
 # scheduler process (the OOM killer), and the server must then exit non-zero by itself.
 KillHow = Literal["server", "scheduler"]
+# The order a recover step relaunches failed ranks in. "lowest_first": launch-time ranks
+# together, then the joiners one at a time from the lowest, each awaited before the next (what
+# the survivors admit first). "highest_first": every replacement at once, joiners before
+# launch-time ranks and from the highest rank down, as an orchestrator restarting failed pods
+# in any order would.
+RelaunchOrder = Literal["lowest_first", "highest_first"]
 
 
 class PlanError(ValueError):
@@ -236,6 +242,7 @@ class PlanRunner:
     kills: list[float] = field(default_factory=list)  # monotonic times of the kill steps
     on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None
     kill: KillHow = "server"
+    relaunch_order: RelaunchOrder = "lowest_first"
 
     def run(self, from_step: int = 0) -> None:
         for step in self.steps[from_step + 1:]:
@@ -286,6 +293,25 @@ class PlanRunner:
             post_scale(self.cluster.url, size, refill)
         # A refilled launch slot is a joiner's.
         nodes = [r for r in step.ranks if r < launch and r not in self.joiners]
+        if self.relaunch_order == "highest_first":
+            self._relaunch_all_at_once(step, nodes)
+        else:
+            self._relaunch_lowest_first(step, nodes)
+        if holes:
+            self._wait_succeeded(refill, f"the refill of {holes}")
+
+    def _relaunch_all_at_once(self, step: Step, nodes: Sequence[int]) -> None:
+        for rank in sorted(step.ranks, key=lambda r: (r in nodes, -r)):
+            if rank in nodes:
+                server = self.cluster.start_node(rank, recover=True)
+                if self.on_relaunch is not None:
+                    self.on_relaunch(self, rank, server)
+            else:
+                self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
+        for rank in step.ranks:
+            self._wait_state(rank, "active", CHANGE_S)
+
+    def _relaunch_lowest_first(self, step: Step, nodes: Sequence[int]) -> None:
         # Launch-time ranks first, all at once: the survivors take them back together, once
         # every replacement is in WORLD. Then the joiners, one at a time, from the lowest:
         # a let-go tail of several comes back one rank at a time.
@@ -299,8 +325,6 @@ class PlanRunner:
             if rank not in nodes:
                 self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
                 self._wait_state(rank, "active", CHANGE_S)
-        if holes:
-            self._wait_succeeded(refill, f"the refill of {holes}")
 
     def _grow(self, step: Step) -> None:
         for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
@@ -396,11 +420,13 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
              after_step: Callable[[Step, dict], None] | None = None,
              after: PlanRunner | None = None, from_step: int = 0,
              on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None,
-             kill: KillHow = "server") -> PlanRunner:
+             kill: KillHow = "server",
+             relaunch_order: RelaunchOrder = "lowest_first") -> PlanRunner:
     """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
     runner (its reference outputs, kills and joiners) for further checks.
 
-    ``kill``: how a kill step kills (``KillHow``).
+    ``kill``: how a kill step kills (``KillHow``); ``relaunch_order``: in which order a
+    recover step relaunches the failed ranks (``RelaunchOrder``).
 
     ``after``, ``from_step``: go on where an earlier plan on this cluster (its runner) left
     off, which must be the state of ``steps[from_step]`` (checked): the steps after it run,
@@ -409,7 +435,7 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
     reference = after.reference if after is not None else greedy_reference(cluster.url)
     load = LoadClient(cluster.url, concurrency=concurrency, max_new_tokens=8).start()
     runner = PlanRunner(cluster, steps, load, after_step, reference, on_relaunch=on_relaunch,
-                        kill=kill)
+                        kill=kill, relaunch_order=relaunch_order)
     if after is not None:
         runner.joiners = after.joiners
     try:
@@ -427,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=None,
                         help="model directory (default: the testbed's tiny model)")
     parser.add_argument("--max-ep-size", type=int, default=4)
+    parser.add_argument("--relaunch-order", choices=["lowest_first", "highest_first"],
+                        default="lowest_first",
+                        help="how a recover step relaunches several failed ranks")
     args = parser.parse_args(argv)
     try:
         steps = load_plan(args.plan)
@@ -438,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.model = write_tiny_model(DEFAULT_DIR)
     with LocalCluster(plan_spec(args.model, steps, args.max_ep_size)) as cluster:
-        run_plan(cluster, steps)
+        run_plan(cluster, steps, relaunch_order=args.relaunch_order)
     print(f"[plan] {args.plan}: every step checked", flush=True)
     return 0
 
