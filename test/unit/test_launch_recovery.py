@@ -191,7 +191,7 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
 
 def test_the_survivor_machine_follows_the_failed_set_and_the_agreed_rejoin(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    state = SimpleNamespace()
+    state = SimpleNamespace(original_ep_size=3, effective_ep_size=3)
     peer: dict[int, bool] = {1: True}
     monkeypatch.setattr(launch_recovery, "world_members_alive",
                         lambda ranks: [peer[r] for r in ranks])

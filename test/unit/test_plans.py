@@ -119,11 +119,14 @@ def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
     ([[0, 1], [0, 1, 2], [0, -1, 2], [0, -2]], None),
     ([[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]], None),  # rank 1 first, then rank 2
     ([[0, 1], [0, 1, 2], [0, -1, -2], [0, 2]], "recover launch-time ranks [1] first"),
-    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3]], None),  # stranded: only a shrink past it
-    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2, 3]], "have no in-place rejoin"),
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3]], None),
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2, 3]], None),  # rank 2 rejoins in place
+    ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1]], None),  # or a shrink past it
     ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2]], "one change per step"),
     ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, -3]], None),  # now a failed tail
-    ([[0, 1], [0, 1, 2, 3], [0, -1, -2, 3], [0, 1, 3]], "kill the live joiners above"),
+    ([[0, 1], [0, 1, 2, 3], [0, -1, -2, 3], [0, 1, 3]], "rejoin in place together"),
+    ([[0, 1], [0, 1, 2, 3], [0, -1, -2, 3], [0, 1, 2, 3]], None),
+    ([[0, 1, 2], [0, -1, -2], [0, 1]], "rejoin in place together"),
     # Rank 3 killed too: the failed joiners are a tail, and rank 1 rejoins first.
     ([[0, 1], [0, 1, 2, 3], [0, 1, -2, 3], [0, -1, 3], [0, -3], [0, 1], [0, 1, 2, 3]], None),
     ([[0, 1], [0, 1, 2], [0, 1]], None),

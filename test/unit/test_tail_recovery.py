@@ -96,20 +96,27 @@ def test_a_launch_rank_and_a_joiner_down_together_let_the_joiner_go_first(wired)
     assert manager.failed == [] and reports == []
 
 
-def test_a_refused_recovery_is_judged_again_once_the_failed_set_changes(wired) -> None:
-    """Launched at 2, grown to 4; node 1 and joiner 2 failed below the live joiner 3: refused
-    (not a tail, and no scale-down with a launch-time rank failed). Once rank 3 stops too, as
-    the refusal asks, the failed joiners [2, 3] are a tail and the survivor lets it go."""
+def test_a_failed_joiner_below_a_live_one_is_neither_let_go_nor_failed(wired) -> None:
+    """Launched at 2, grown to 4; node 1 and joiner 2 failed below the live joiner 3: no
+    tail to let go, and no refusal either: both rejoin in place (launch_recovery)."""
     manager, reports = wired(state([1, 0, 0, 1], effective=4), [0, 1] * 4)
     assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
+    assert manager.failed == [] and reports == []
+
+
+def test_a_refused_recovery_is_judged_again_once_the_failed_set_changes(wired) -> None:
+    """Grown to 4, the joiners 2 and 3 alone hold experts 2 and 3: letting their failed tail go
+    is refused, once for that set. When rank 1 fails too the set changes and is judged again."""
+    manager, reports = wired(state([1, 1, 0, 0], effective=4), [0, 1, 0, 1, 2, 3, 2, 3])
+    assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
     (reason,) = manager.failed
-    assert "stop the servers of ranks [3]" in reason, reason
+    assert "logical experts [2, 3]" in reason, reason
     assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
     assert len(manager.failed) == 1 and len(reports) == 1  # the same set: not judged again
     for mask in (manager.state.active_ranks, manager.state.active_ranks_cpu):
-        mask[3] = 0
-    assert tail_recovery.contraction_target(manager.state, wired.runner) == 2
-    assert len(manager.failed) == 1
+        mask[1] = 0
+    assert tail_recovery.contraction_target(manager.state, wired.runner) == 0
+    assert len(manager.failed) == 2 and "ranks [1, 2, 3] failed" in manager.failed[1]
 
 
 def test_experts_only_a_dead_launch_rank_held_fail_the_let_go_with_the_reason(wired) -> None:

@@ -26,9 +26,9 @@ Rules, in order, on every decision:
 3. A failed rank (status ``failed``) or slow one (health ``hard_blocked``) is relaunched in
    recover mode (``<prefix>-recover-r<rank>-e<event id of the fault>-<attempt>``); after
    ``max_relaunches`` relaunches that failed again it is removed with a scale-down of the
-   failed tail, and a scale-up then restores the size it had. A failed rank of this
-   controller's with an active rank above it is removed that way at once: no relaunch brings
-   back a scale-joined rank that is not the tail (the server accepts the scale-down past it).
+   failed tail (or past failed ranks with active ranks above them, which drain), and a
+   scale-up then restores the size it had. A relaunch brings back any rank: a failed tail of
+   scale-joined ranks is re-admitted, and any other failed rank rejoins in place.
 4. Otherwise the autoscaling policy (``core.autoscaler``) decides.
 """
 
@@ -597,10 +597,6 @@ class ElasticController:
                 continue
             fault = self._fault(status, span)
             failures = self._failures(status, span)
-            if self._stranded(status, span):
-                for rank in span:
-                    give_up[rank] = failures
-                continue
             attempt_id = recover_operation_id(cfg.op_prefix, offset, fault, failures)
             # A relaunch made before the failure's event arrived carries fault 0: it is this
             # attempt too (else the event's arrival would start a second replacement).
@@ -637,15 +633,6 @@ class ElasticController:
         if give_up:
             self._remove(status, troubled, give_up, now, actions, holds)
 
-    @staticmethod
-    def _stranded(status: StatusResponse, span: range) -> bool:
-        """Whether ``span`` (scale-joined ranks) holds a failed rank with an active rank
-        above it: a relaunch cannot bring it back (it is not the tail), a scale-down past it
-        can remove it."""
-        failed = [r.rank for r in status.ranks if r.state is RankState.FAILED and r.rank in span]
-        active = [r.rank for r in status.ranks if r.state is RankState.ACTIVE]
-        return bool(failed) and bool(active) and max(active) > min(failed)
-
     def _remove(
         self,
         status: StatusResponse,
@@ -661,10 +648,7 @@ class ElasticController:
         tail = set(range(target, size))
         inputs = {"give_up": give_up, "failed": sorted(failed), "size": size,
                   "max_relaunches": self.config.max_relaunches}
-        stranded = self._stranded(status, range(target, size)) and failed < tail
-        who = (f"rank(s) {_ranks(failed)} failed with active ranks above them (no relaunch "
-               "brings them back)" if stranded
-               else f"rank(s) {_ranks(give_up)} failed {max(give_up.values())} times")
+        who = f"rank(s) {_ranks(give_up)} failed {max(give_up.values())} times"
         # The server accepts removing exactly the failed tail, or a tail holding failed
         # scale-joined ranks below live ones (a scale-down past them); give_up is this
         # controller's ranks only, so the tail holds no launch-time rank.
@@ -692,10 +676,10 @@ class ElasticController:
                 f"{self._heal_quiet_until - now:.0f}s", inputs,
             ))
             return
-        beyond = "" if stranded else f" (> --max-relaunches {self.config.max_relaunches})"
         actions.append(self._scale(
             target, Purpose.REMOVE, now,
-            f"{who}{beyond}: removing ranks [{target}, {size}), then regrowing to {size}",
+            f"{who} (> --max-relaunches {self.config.max_relaunches}): removing ranks "
+            f"[{target}, {size}), then regrowing to {size}",
             inputs,
         ))
 

@@ -132,19 +132,13 @@ def p2p_peers_mask(active: Sequence[int], rank: int, launch_size: int) -> list[i
 
 @dataclass(frozen=True)
 class FailedTail:
-    """The failed ranks inside the effective size, and whether re-admission can bring them back.
-
-    Ranks that joined by scale-up live only in the expandable WORLD group (upstream's launch-time
-    TP/EP groups never contained them), so a replacement for one can join exactly the way the
-    original did: the survivors first let the failed tail go (a contraction, as in a scale-down),
-    then admit the replacement into the same slots. That works when the failed scale-joined
-    ranks are the tail ``[first, effective_size)``. Launch-time ranks that failed with them
-    stay failed below the tail and rejoin in place once it is let go (``failed_launch_ranks``
-    then finds them)."""
+    """The failed ranks that joined by scale-up at the top of the effective size,
+    ``[first, effective_size)``: the survivors let their slots go (a contraction, as in a
+    scale-down) and re-admit their replacements into the same slots, the way the ranks first
+    came in. Failed ranks below it rejoin in place once it is let go (``failed_in_place``)."""
 
     first: int
     effective_size: int
-    problem: str | None  # why re-admission cannot recover them; None when it can
 
     @property
     def ranks(self) -> range:
@@ -152,55 +146,34 @@ class FailedTail:
 
 
 def failed_tail(active: Sequence[int], effective_size: int, launch_size: int) -> FailedTail | None:
-    """The failed ranks among ``[0, effective_size)`` of the ``active`` mask (None: none failed).
+    """The longest run of failed scale-joined ranks that ends at the top of
+    ``[0, effective_size)`` of the ``active`` mask (None: the top slot serves, or was launched
+    with the server).
 
     ``launch_size`` is the EP size the server was launched with: ranks below it are in the
-    launch-time groups and come back through upstream's recovery instead. The effective size
-    may be below it after a scale-down past the launch size."""
+    launch-time groups and always rejoin in place. The effective size may be below it after a
+    scale-down past the launch size."""
     if launch_size < 1 or not 1 <= effective_size <= len(active):
         raise ValueError(
             f"need launch_size ({launch_size}) >= 1 and 1 <= effective_size ({effective_size}) "
             f"<= mask length ({len(active)})"
         )
-    failed = [r for r in range(effective_size) if not active[r]]
-    if not failed:
-        return None
-    joined = [r for r in failed if r >= launch_size]
-    if not joined:
-        return FailedTail(first=failed[0], effective_size=effective_size, problem=(
-            f"ranks {failed} were launched with the server: they rejoin in place "
-            "(relaunch their node with --ep-join-mode recover), no slot is let go"))
-    # Failed launch-time ranks below the tail rejoin in place once the tail is let go.
-    first = joined[0]
-    problem = None
-    if joined != list(range(first, effective_size)):
-        alive = [r for r in range(first, effective_size) if active[r]]
-        launch_failed = [r for r in failed if r < launch_size]
-        action = (f"scale down past them (new_ep_size {first} or less removes them with the "
-                  "live ranks above, which drain), then scale up again" if not launch_failed
-                  else f"and with launch-time ranks {launch_failed} failed too, no scale-down "
-                  f"is accepted either: stop the servers of ranks {alive} (their running "
-                  "requests end with 503), so that the failed joiners are a tail the "
-                  "survivors let go, then relaunch the launch-time ones with "
-                  "--elastic-ep-join-mode recover; or restart the deployment")
-        problem = (
-            f"failed ranks {joined} are not the tail of the {effective_size} ranks (ranks "
-            f"{alive} still serve): only a failed tail of ranks that joined by scale-up can be "
-            f"re-admitted, so a relaunch cannot bring them back; {action}"
-        )
-    return FailedTail(first=first, effective_size=effective_size, problem=problem)
+    first = effective_size
+    while first > launch_size and not active[first - 1]:
+        first -= 1
+    return None if first == effective_size else FailedTail(first, effective_size)
 
 
-def failed_launch_ranks(active: Sequence[int], effective_size: int,
-                        launch_size: int) -> tuple[int, ...]:
-    """The failed ranks among ``[0, effective_size)`` when every one of them was launched with
-    the server (else ``()``: none failed, or some joined by scale-up).
+def failed_in_place(active: Sequence[int], effective_size: int,
+                    launch_size: int) -> tuple[int, ...]:
+    """The failed ranks among ``[0, effective_size)`` that rejoin where they are, once no failed
+    tail is left to let go (else ``()``: none failed, or a failed tail goes first).
 
-    Such ranks come back in place at any size: a replacement relaunched with the rank's own
-    arguments rejoins WORLD and the launch-time groups it was in (upstream's recovery), then
-    takes on the size the survivors serve on. Nothing is let go meanwhile: the slots stay in
-    the layout and their experts are served from replicas."""
-    failed = tuple(r for r in range(min(effective_size, len(active))) if not active[r])
-    if failed and all(r < launch_size for r in failed):
-        return failed
-    return ()
+    A replacement relaunched with the rank's own arguments rejoins WORLD (and, for a
+    launch-time rank, the launch-time groups it was in: upstream's recovery), then takes on
+    the size the survivors serve on. That holds for a scale-joined rank below a live one too:
+    Mooncake admits a scale joiner by the same recovery of its WORLD slot. Nothing is let go
+    meanwhile: the slots stay in the layout and their experts are served from replicas."""
+    if failed_tail(active, effective_size, launch_size) is not None:
+        return ()
+    return tuple(r for r in range(effective_size) if not active[r])

@@ -16,9 +16,9 @@ Decisions:
 - While a rank inside the current size has failed, scale-up is refused (409), and the only
   scale-down allowed is the one that removes exactly the failed ranks (so they must be the
   tail); anything else would mix cleanup and resizing in one operation. One exception: failed
-  scale-joined ranks with a live rank above them (a "stranded" joiner) have no in-place
-  rejoin and cannot be let go on their own, so a scale-down past them (removing them with the
-  live ranks above, which drain) is accepted: it is the one action that works from there.
+  scale-joined ranks with a live rank above them rejoin in place by a relaunch, and may
+  instead be removed by a scale-down past them (with the live ranks above, which drain): that
+  scale-down is accepted too.
 - A scale-down below the launch size releases launch-time slots and says so: a later
   scale-up refills them with scale joiners at those offsets, as for any other slot.
 """
@@ -126,15 +126,13 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     # The tail is offered only where it is accepted: not while a hole is open, and with
     # failed ranks the one scale-down admitted removes exactly them.
     smaller = current_size - len(named)
-    stranded, past = scale_down_past_stranded(down, current_size, launch_size=launch_size,
-                                              attn_replica_size=attn_replica_size,
-                                              min_size=min_size)
-    if stranded and past is None:
-        return _refuse(HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
-                       _no_way_back(down, stranded, current_size))
+    past = scale_down_past_failed_joiners(down, current_size, launch_size=launch_size,
+                                          attn_replica_size=attn_replica_size,
+                                          min_size=min_size)
     past_hint = "" if past is None else (
-        f"scale down to {past} instead (new_ep_size {past}: it "
-        f"{_past_stranded(past, down, current_size)})")
+        f"relaunch them with --elastic-ep-join-mode recover (they rejoin in place), or scale "
+        f"down to {past} instead (new_ep_size {past}: it "
+        f"{_past_failed_joiners(past, down, current_size)})")
     if holes_open:
         instead = refill
     elif past is not None:
@@ -262,55 +260,42 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     )
 
 
-def stranded_joiners(failed: Iterable[int], current_size: int, *,
-                     launch_size: int | None) -> frozenset[int]:
+def failed_joiners_below_live(failed: Iterable[int], current_size: int, *,
+                              launch_size: int | None) -> frozenset[int]:
     """The failed ranks that joined by scale-up and have a live rank above them (empty: none).
 
-    Such ranks are stranded: a scale-joined rank's replacement joins at the tail, after the
-    survivors let the failed tail go (``core.membership.failed_tail``), and a live rank above
-    keeps them from being a tail, so no relaunch brings them back. Ranks at or above
-    ``launch_size`` only, as the schedulers count them: a launch slot that a joiner refilled
-    after a shrink is in the launch-time groups and rejoins in place."""
+    They are no failed tail for the survivors to let go (``core.membership.failed_tail``):
+    they rejoin in place by a relaunch, or leave with the live ranks above by a scale-down
+    past them. Ranks at or above ``launch_size`` only, as the schedulers count them: a launch
+    slot that a joiner refilled after a shrink is in the launch-time groups."""
     down = frozenset(failed)
     launch = current_size if launch_size is None else launch_size
     live = [r for r in range(current_size) if r not in down]
     return frozenset(r for r in down if r >= launch and live and r < max(live))
 
 
-def scale_down_past_stranded(failed: Iterable[int], current_size: int, *,
-                             launch_size: int | None, attn_replica_size: int = 1,
-                             min_size: int = 1) -> tuple[frozenset[int], int | None]:
-    """The stranded joiners among ``failed`` (``stranded_joiners``), and the largest size
-    whose scale-down removes every failed rank when all of them joined by scale-up (else
-    None). The scale-down removes them with the live ranks above, which drain as in any
-    scale-down (a dead leaving rank leaves anyway). None also when that size is below the
-    smallest one accepted."""
+def scale_down_past_failed_joiners(failed: Iterable[int], current_size: int, *,
+                                   launch_size: int | None, attn_replica_size: int = 1,
+                                   min_size: int = 1) -> int | None:
+    """The largest size whose scale-down removes every failed rank, when all of them joined by
+    scale-up and some have a live rank above them (``failed_joiners_below_live``); else None.
+    The scale-down removes them with the live ranks above, which drain as in any scale-down (a
+    dead leaving rank leaves anyway). None also when that size is below the smallest one
+    accepted."""
     down = frozenset(failed)
-    stranded = stranded_joiners(down, current_size, launch_size=launch_size)
     launch = current_size if launch_size is None else launch_size
-    if not stranded or min(down) < launch:
-        return stranded, None
+    if not failed_joiners_below_live(down, current_size, launch_size=launch_size) \
+            or min(down) < launch:
+        return None
     size = min(down) // attn_replica_size * attn_replica_size
-    return stranded, size if _size_accepted(size, min_size, attn_replica_size) else None
+    return size if _size_accepted(size, min_size, attn_replica_size) else None
 
 
-def _no_way_back(failed: frozenset[int], stranded: frozenset[int], current_size: int) -> str:
-    """What still works with stranded joiners and no scale-down past them."""
-    above = sorted(set(range(min(stranded), current_size)) - failed)
-    return (f"ranks {_ranks(failed)} have failed, and scale-joined ranks {_ranks(stranded)} "
-            "among them have a live rank above them: a relaunch cannot bring them back, and "
-            "no scale-down past them is accepted (launch-time ranks failed with them, or the "
-            f"size it leaves is too small). Stop the servers of ranks {_ranks(above)} (their "
-            "running requests end with 503): the failed scale-joined ranks are then a tail "
-            "the survivors let go, and failed launch-time ranks rejoin by a relaunch with "
-            "--elastic-ep-join-mode recover; or restart the deployment")
-
-
-def _past_stranded(target: int, failed: frozenset[int], current_size: int) -> str:
-    """How ``target``'s scale-down past stranded ``failed`` joiners reads to the operator."""
+def _past_failed_joiners(target: int, failed: frozenset[int], current_size: int) -> str:
+    """How ``target``'s scale-down past failed joiners reads to the operator."""
     live = sorted(set(range(target, current_size)) - failed)
-    return (f"removes failed ranks {_ranks(failed)}, which joined by scale-up and cannot "
-            f"rejoin where they are, together with live ranks {_ranks(live)}, which drain")
+    return (f"removes failed ranks {_ranks(failed)}, which joined by scale-up, together with "
+            f"live ranks {_ranks(live)}, which drain")
 
 
 def _size_accepted(size: int, min_size: int, attn_replica_size: int) -> bool:
@@ -436,19 +421,17 @@ def _judge(
 
     removable = frozenset(range(target, current_size))
     removal_target = _removal_target(failed, current_size, topology)
-    stranded, past = scale_down_past_stranded(failed, current_size,
-                                              launch_size=topology.launch_size,
-                                              attn_replica_size=replica,
-                                              min_size=topology.min_ep_size)
-    if stranded and past is None:
-        return _refuse(HTTPStatus.CONFLICT, RejectionReason.FAILED_RANKS_PRESENT,
-                       _no_way_back(failed, stranded, current_size))
+    past = scale_down_past_failed_joiners(failed, current_size,
+                                          launch_size=topology.launch_size,
+                                          attn_replica_size=replica,
+                                          min_size=topology.min_ep_size)
     if past is not None and target > current_size:
         return _refuse(
             HTTPStatus.CONFLICT,
             RejectionReason.FAILED_RANKS_PRESENT,
-            f"rank(s) {_ranks(failed)} failed; scale down to {past} first (it "
-            f"{_past_stranded(past, failed, current_size)}), then scale up",
+            f"rank(s) {_ranks(failed)} failed; recover them first (relaunch them with "
+            f"--elastic-ep-join-mode recover: they rejoin in place), or scale down to {past} "
+            f"first (it {_past_failed_joiners(past, failed, current_size)}), then scale up",
         )
     if failed and target > current_size:
         remove_hint = (
@@ -469,7 +452,8 @@ def _judge(
             RejectionReason.MUST_REMOVE_FAILED_RANKS,
             f"rank(s) {_ranks(failed)} failed; a scale-down must remove them too, and ranks "
             f"leave from the tail: scale down to {past} instead (it "
-            f"{_past_stranded(past, failed, current_size)})",
+            f"{_past_failed_joiners(past, failed, current_size)}), or relaunch them with "
+            "--elastic-ep-join-mode recover (they rejoin in place)",
         )
     if failed and past is None and removable != failed:
         holes = _hole_removal_hint(failed, current_size, topology, joined)
@@ -502,7 +486,7 @@ def _judge(
         one_way = (f"; ranks {_ranks(range(target, min(current_size, launch)))} are launch-time"
                    " slots: they come back as scale joiners at their own offsets")
     draining = (f"draining ranks {_ranks(leaving)}" if past is None
-                else f"it {_past_stranded(target, failed, current_size)}")
+                else f"it {_past_failed_joiners(target, failed, current_size)}")
     return ScaleVerdict(
         ok=True,
         status=int(HTTPStatus.OK),

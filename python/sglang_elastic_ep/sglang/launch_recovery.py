@@ -34,7 +34,7 @@ from sglang_elastic_ep.core.launch_recovery_machine import (
     LaunchRecoveryMachine,
     ReplacementMachine,
 )
-from sglang_elastic_ep.core.membership import failed_launch_ranks
+from sglang_elastic_ep.core.membership import failed_in_place
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
     mark_ranks_activated,
     mark_ranks_drained,
@@ -69,8 +69,8 @@ def ranks_to_rejoin(state: Any) -> tuple[int, ...]:
     with two survivors, on different passes."""
     if state.pending_ep_size is not None:
         return ()
-    return failed_launch_ranks(live_mask(state), int(state.effective_ep_size),
-                               int(state.original_ep_size))
+    return failed_in_place(live_mask(state), int(state.effective_ep_size),
+                           int(state.original_ep_size))
 
 
 @dataclass
@@ -83,19 +83,59 @@ _STATE_ATTR = "_elastic_ep_launch_recovery"
 
 def launch_recovery_machine(state: Any, ranks: tuple[int, ...],
                             now: float | None = None) -> LaunchRecoveryMachine:
-    """This survivor's machine for the failed launch-time ``ranks``: built on first sight, and
-    again when the failed set changes (what was seen of the ranks both share carries over)."""
+    """This survivor's machine for the failed ``ranks`` that rejoin in place: built on first
+    sight, and again when the failed set changes (what was seen of the ranks both share
+    carries over)."""
     now = time.monotonic() if now is None else now
     holder = attached_state(state, _STATE_ATTR, LaunchRecoveryState)
     machine = holder.machine
     machine = (LaunchRecoveryMachine(ranks, now) if machine is None
                else machine.following(ranks, now))
     if machine is not holder.machine:
-        logger.info("[elastic-ep] rank failure: launch-time ranks %s failed; serving on "
-                    "without them until their replacements are in WORLD (phase %s)",
-                    list(ranks), machine.phase.value)
+        joined = [r for r in ranks if r >= int(state.original_ep_size)]
+        logger.info("[elastic-ep] rank failure: ranks %s failed (%s); serving on without them "
+                    "until their replacements are in WORLD (phase %s)", list(ranks),
+                    f"scale-joined ranks {joined} below a live rank rejoin in place too"
+                    if joined else "launched with the server", machine.phase.value)
+        announce_in_place(joined, int(state.effective_ep_size))
         holder.machine = machine
     return machine
+
+
+# In the rendezvous store while a scale-joined rank below a live one awaits its replacement:
+# ``{prefix}/{rank}`` -> the size the survivors serve on. The replacement, a scale joiner by its
+# arguments, reads it at start-up and rejoins in place instead of registering a scale cohort.
+IN_PLACE_KEY_PREFIX = "sglang_eep/rejoin_in_place"
+
+
+def _rendezvous_store() -> Any:
+    from sglang.srt.distributed.utils import get_global_tcp_store
+
+    return get_global_tcp_store()
+
+
+def announce_in_place(ranks: list[int], serving: int) -> None:
+    store = _rendezvous_store()
+    if store is not None:
+        for rank in ranks:
+            store.set(f"{IN_PLACE_KEY_PREFIX}/{rank}", str(serving))
+
+
+def _withdraw_in_place(ranks: list[int]) -> None:
+    store = _rendezvous_store()
+    if store is not None:
+        for rank in ranks:
+            store.delete_key(f"{IN_PLACE_KEY_PREFIX}/{rank}")
+
+
+def in_place_size(rank: int) -> int:
+    """The size the survivors serve on when they await ``rank``'s replacement in place (a
+    scale-joined rank below a live one), else 0: read by a scale joiner at start-up."""
+    store = _rendezvous_store()
+    key = f"{IN_PLACE_KEY_PREFIX}/{rank}"
+    if store is None or not store.check([key]):
+        return 0
+    return int(store.get(key).decode())
 
 
 def replacements_registered(state: Any, ranks: tuple[int, ...]) -> bool:
@@ -109,26 +149,39 @@ def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
     the launch-time groups each survivor shares with the replacements."""
     machine = launch_recovery_machine(state, ranks)
     machine.entered(time.monotonic())
-    logger.info("[elastic-ep] rank %d takes back launch-time ranks %s at %d ranks (phase %s)",
-                runner._elastic_global_rank(), list(ranks), state.effective_ep_size,
+    what = _which(state, ranks)
+    logger.info("[elastic-ep] rank %d takes back %s %s at %d ranks (phase %s)",
+                runner._elastic_global_rank(), what, list(ranks), state.effective_ep_size,
                 machine.phase.value)
     if recover_ranks(list(ranks), mirror_of(state), eplb_manager=runner.eplb_manager,
                      model_config=runner.model_config,
                      moe_ep_rank=runner._elastic_global_rank()):
         runner.forward_pass_id = 0
         machine.rejoined(time.monotonic())
-        logger.info("[elastic-ep] launch-time ranks %s rejoined: serving on %d ranks again "
-                    "(phase %s)", list(ranks), state.effective_ep_size, machine.phase.value)
+        _withdraw_in_place([r for r in ranks if r >= int(state.original_ep_size)])
+        logger.info("[elastic-ep] %s %s rejoined: serving on %d ranks again "
+                    "(phase %s)", what, list(ranks), state.effective_ep_size, machine.phase.value)
     else:  # every survivor saw them registered on the agreed pass: Mooncake went back on it
         machine.rejoin_failed(time.monotonic())
-        logger.error("[elastic-ep] launch-time ranks %s left WORLD again before they were taken "
-                     "back: waiting for the next replacement (phase %s)", list(ranks),
+        logger.error("[elastic-ep] %s %s left WORLD again before they were taken "
+                     "back: waiting for the next replacement (phase %s)", what, list(ranks),
                      machine.phase.value)
+
+
+def _which(state: Any, ranks: tuple[int, ...]) -> str:
+    return ("launch-time ranks" if all(r < int(state.original_ep_size) for r in ranks)
+            else "ranks")
 
 
 # --------------------------------------------------------------------- the replacement's side
 
 HEALTHY, REJOINING = 1, 2  # a rank's code in the source-rank exchange (0: no row)
+
+
+def _started_as_joiner(state: Any) -> bool:
+    """This process was started as a scale joiner (a scale-joined slot's replacement): its
+    join offset is past rank 0."""
+    return int(getattr(state, "ep_join_rank_offset", 0) or 0) > 0
 
 
 def rejoin_then_reload_moved_experts(original: Callable[[Any], Any], runner: Any) -> Any:
@@ -144,7 +197,8 @@ def rejoin_then_reload_moved_experts(original: Callable[[Any], Any], runner: Any
     rank = dist.get_rank()
     machine = ReplacementMachine(rank, time.monotonic())
     attached_state(state, _REPLACEMENT_ATTR, ReplacementState).machine = machine
-    who = f"replacement of launch-time rank {rank}"
+    who = (f"replacement of scale-joined rank {rank}" if _started_as_joiner(state)
+           else f"replacement of launch-time rank {rank}")
     logger.info("[elastic-ep] %s: waits for the survivors to take it back (phase %s)", who,
                 machine.phase.value)
     loaded = own_slots(rank)
@@ -202,24 +256,28 @@ def healthy_source_rank(original: Callable[..., int], *,
 
 def take_on_serving_size(state: Any, serving: int) -> None:
     """On a replacement, before the expert map is broadcast: serve at ``serving`` ranks (the
-    survivors' size), not at the launch size its arguments describe. The same local steps as
+    survivors' size), not at the size its arguments describe (the launch size; for a
+    scale-joined slot's replacement, its join offset plus its ranks). The same local steps as
     a scale-up's commit: the expert map's shape, DP attention, the NIXL data plane's size."""
     from sglang.srt.elastic_ep.elastic_ep import update_dp_attention_for_elastic_ep
     from sglang.srt.runtime_context import get_context, get_parallel
 
     parallel = get_parallel()
-    launch = int(parallel.elastic_ep_initial_size or parallel.tp_size)
     rank = dist.get_rank()
-    state.original_ep_size = launch
+    if _started_as_joiner(state):
+        started = int(state.effective_ep_size)  # upstream's joiner state: offset + its ranks
+    else:
+        started = int(parallel.elastic_ep_initial_size or parallel.tp_size)
+        state.original_ep_size = started
     adopt_launch_group_size(state)  # lower when a scale-down released launch-time ranks
-    if serving == launch == int(state.effective_ep_size) == int(state.original_ep_size):
+    if serving == started == int(state.effective_ep_size) == int(state.original_ep_size):
         return  # the deployment never scaled: upstream's recovery as it is
     metadata = expert_location_metadata()
     if metadata is not None:
         # The broadcast that follows receives into this tensor and then rebuilds the metadata
         # from it (upstream's broadcast_global_expert_location_metadata): only its shape must
         # be the survivors' here, nothing reads it before.
-        slots = metadata.num_physical_experts // launch
+        slots = metadata.num_physical_experts // started
         metadata.physical_to_logical_map = torch.zeros(
             (metadata.physical_to_logical_map.shape[0], slots * serving),
             dtype=metadata.physical_to_logical_map.dtype,
@@ -231,11 +289,11 @@ def take_on_serving_size(state: Any, serving: int) -> None:
     manager = state_manager()
     if manager._on_scale is not None:  # the NIXL data plane: every survivor is a member
         mark_ranks_activated(range(serving))
-        if serving < launch:
-            # Launch-time slots a scale-down released before this process started: its buffer
-            # (created before the rejoin, at the launch size) never connected them, and no
+        if serving < started:
+            # Slots a scale-down released before this process started: its buffer (created
+            # before the rejoin, at the size it started with) never connected them, and no
             # token can be in flight to them, so its pending connects to them are dropped.
-            mark_ranks_drained(range(serving, launch))
-    manager.on_scale(launch, serving)
+            mark_ranks_drained(range(serving, started))
+    manager.on_scale(started, serving)
     logger.info("[elastic-ep] rank %d rejoins at the size the survivors serve on: %d ranks "
-                "(launched at %d)", rank, serving, launch)
+                "(launched at %d)", rank, serving, started)

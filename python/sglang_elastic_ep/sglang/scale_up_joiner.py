@@ -35,7 +35,7 @@ from typing import Any
 
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_up_machine import JoinerMachine
-from sglang_elastic_ep.sglang import tail_recovery
+from sglang_elastic_ep.sglang import launch_recovery, tail_recovery
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import prepare_data_plane
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.replica_loading import own_slots, reload_moved_experts
@@ -57,6 +57,8 @@ class JoinerState:
     loaded: list[list[int]] | None = None
     # Its steps over WORLD (register, admission, the expert map) wait for the commit.
     join_deferred: bool = False
+    # The survivors' size when it replaces a scale-joined rank below a live one (0: it joins).
+    rejoin_in_place_at: int = 0
 
 
 def joiner_machine() -> JoinerMachine | None:
@@ -79,10 +81,23 @@ def prepare_then_join(original: Any, runner: Any) -> Any:
     if state is None or not _is_scale_joiner() or getattr(runner, "is_draft_worker", False):
         return original(runner)
     prepare_data_plane(runner.model, connect=False)
+    holder = attached_state(state, _STATE_ATTR, JoinerState)
+    rank = _join_size_and_rank()[1]
+    holder.rejoin_in_place_at = launch_recovery.in_place_size(rank)
+    if holder.rejoin_in_place_at:
+        # Its slot is below a live rank: the survivors take it back where it is, as a
+        # launch-time rank's replacement (upstream's rejoin over WORLD), not as a scale joiner.
+        from sglang.srt.layers.dp_attention import enable_joiner_all_gather
+
+        enable_joiner_all_gather()
+        logger.info("[elastic-ep] replacement of scale-joined rank %d: the survivors serve on "
+                    "%d ranks and await it in place; it rejoins once its start-up is done",
+                    rank, holder.rejoin_in_place_at)
+        return None
     if not _joins_at_the_commit():
         return original(runner)
     _apply_join_topology(runner, state)
-    attached_state(state, _STATE_ATTR, JoinerState).join_deferred = True
+    holder.join_deferred = True
     logger.info("[elastic-ep] scale joiner prepares before it registers: KV cache and start-up "
                 "first, the serving ranks admit it at the commit")
     return None
@@ -225,6 +240,12 @@ def commit_joining(original: Any, runner: Any, target_size: int) -> Any:
     if state is None:
         return original(runner, target_size)
     holder = attached_state(state, _STATE_ATTR, JoinerState)
+    if holder.rejoin_in_place_at:
+        holder.rejoin_in_place_at = 0
+        # Upstream's rejoin (through launch_recovery.rejoin_then_reload_moved_experts): WORLD
+        # takes it back, it takes on the survivors' size and receives their expert map. No
+        # commit barrier: the survivors' take-back has none.
+        return runner.post_capture_elastic_ep_recover()
     if holder.join_deferred:
         holder.join_deferred = False
         _register_and_join(runner)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from sglang_elastic_ep.core.membership import failed_launch_ranks, failed_tail
+from sglang_elastic_ep.core.membership import failed_in_place, failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.core.tail_recovery_machine import ReplacementVerdict, TailRecoveryMachine
@@ -118,10 +118,9 @@ def contraction_target(state: Any, runner: Any) -> int:
         # joiner above a failed one stopped, as the refusal asked): judged again then.
         return 0
     tail = failed_tail(mask, state.effective_ep_size, state.original_ep_size)
-    if tail is None or failed_launch_ranks(mask, state.effective_ep_size,
-                                           state.original_ep_size):
-        return 0  # none failed, or launch-time ranks that rejoin in place (launch_recovery)
-    problem = tail.problem or _uncovered_without(tail.first, state.effective_ep_size, mask)
+    if tail is None:
+        return 0  # none failed, or ranks that rejoin in place (launch_recovery)
+    problem = _uncovered_without(tail.first, state.effective_ep_size, mask)
     if problem is not None:
         _fail_recovery(runner, state, problem, failed)
         return 0
@@ -133,8 +132,8 @@ def failed_tail_to_let_go(state: Any) -> bool:
     of: their slots leave the layout, and EPLB rebalances the smaller one afterwards."""
     if state.pending_ep_size is not None or not state.has_scaled:
         return False
-    tail = failed_tail(live_mask(state), state.effective_ep_size, state.original_ep_size)
-    return tail is not None and tail.problem is None
+    return failed_tail(live_mask(state), state.effective_ep_size,
+                       state.original_ep_size) is not None
 
 
 def uncovered_on_ranks(ranks: Sequence[int], effective: int) -> tuple[int, list[int]] | None:
@@ -260,9 +259,9 @@ def request_return_when_replacement_registered(state: Any) -> None:
     if machine is None or state.pending_ep_size is not None \
             or not machine.check_due(time.monotonic()):
         return
-    if failed_launch_ranks(live_mask(state), int(state.effective_ep_size),
-                           int(state.original_ep_size)):
-        return  # launch-time ranks that failed with the tail rejoin first (launch_recovery)
+    if failed_in_place(live_mask(state), int(state.effective_ep_size),
+                       int(state.original_ep_size)):
+        return  # ranks below the tail that failed with it rejoin first (launch_recovery)
     from sglang.srt.elastic_ep.elastic_ep import get_scale_cohort
 
     cohort = get_scale_cohort(state.effective_ep_size)

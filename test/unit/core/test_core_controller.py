@@ -429,20 +429,20 @@ def test_max_relaunches_zero_removes_at_the_first_failure() -> None:
     assert only(step(c, 100, status(4, failed=[3])), ScaleTo).target == 3
 
 
-def test_a_failed_joiner_below_an_active_one_is_removed_at_once_by_a_scale_down_past_it(
-) -> None:
-    """No relaunch brings back rank 2 while rank 3 serves above it: the controller removes
-    ranks [2, 4) (rank 3 drains) at the first failure, then regrows to 4."""
-    c = ElasticController(config(max_relaunches=2))
-    c.observe_event(Event().failed(2))
-    removal = only(step(c, 100, status(4, failed=[2])), ScaleTo)
-    assert (removal.target, removal.purpose, removal.operation_id) == (2, Purpose.REMOVE,
-                                                                       "ctl-1-remove-to-2")
-    assert "no relaunch brings them back" in removal.reason and "regrowing to 4" in removal.reason
-    done = op("ctl-1-remove-to-2", 4, 2, result="succeeded", at=100)
-    gone = [launch(r, "ctl-1-grow-to-4", alive=False) for r in (2, 3)]
-    regrow = only(step(c, 101, status(2, safe=[2, 3], recent=[done]), launches=gone), ScaleTo)
-    assert (regrow.target, regrow.purpose) == (4, Purpose.REGROW)
+def test_a_failed_joiner_below_an_active_one_is_relaunched_in_place() -> None:
+    """Rank 2 failed while rank 3 serves above it: its replacement rejoins in place, so the
+    controller relaunches it in recover mode like any other failed joiner; only past
+    --max-relaunches does it remove ranks [2, 4) (rank 3 drains) and regrow to 4."""
+    c = ElasticController(config(max_relaunches=1))
+    e = Event()
+    c.observe_event(e.failed(2))
+    relaunch = only(step(c, 100, status(4, failed=[2])), Relaunch)
+    assert (relaunch.spec.rank_offset, relaunch.spec.mode, relaunch.attempt) == \
+        (2, JoinMode.RECOVER, 1)
+    dead = launch(2, relaunch.spec.operation_id, mode=JoinMode.RECOVER, alive=False)
+    removal = only(step(c, 101, status(4, failed=[2]), launches=[dead]), ScaleTo)
+    assert (removal.target, removal.purpose) == (2, Purpose.REMOVE)
+    assert "regrowing to 4" in removal.reason
 
 
 def test_removal_needs_every_failed_rank_inside_the_tail() -> None:

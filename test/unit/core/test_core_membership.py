@@ -1,7 +1,7 @@
 import pytest
 
 from sglang_elastic_ep.core.api_models import RankState
-from sglang_elastic_ep.core.membership import Membership, failed_launch_ranks, failed_tail
+from sglang_elastic_ep.core.membership import Membership, failed_in_place, failed_tail
 
 
 def test_rank_states_cover_every_slot_up_to_max() -> None:
@@ -56,57 +56,49 @@ def test_inconsistent_membership_is_rejected(kwargs: dict) -> None:
 def test_no_failed_tail_when_every_rank_inside_the_size_is_active() -> None:
     # rank 3 is beyond the effective size (not joined): not a failure
     assert failed_tail([1, 1, 1, 0], effective_size=3, launch_size=2) is None
+    assert failed_in_place([1, 1, 1, 0], effective_size=3, launch_size=2) == ()
 
 
-def test_a_failed_scale_joined_tail_can_be_readmitted() -> None:
+def test_a_failed_scale_joined_tail_is_let_go_and_nothing_rejoins_in_place_before() -> None:
     tail = failed_tail([1, 1, 0, 0], effective_size=4, launch_size=2)
-    assert tail is not None and tail.problem is None
-    assert list(tail.ranks) == [2, 3]
-
-
-def test_a_failed_rank_before_a_live_one_is_not_a_tail() -> None:
-    tail = failed_tail([1, 1, 0, 1], effective_size=4, launch_size=2)
     assert tail is not None and list(tail.ranks) == [2, 3]
-    assert tail.problem is not None and "ranks [3] still serve" in tail.problem
-    assert "scale down past them (new_ep_size 2 or less" in tail.problem  # the way out
+    assert failed_in_place([1, 1, 0, 0], effective_size=4, launch_size=2) == ()
 
 
-def test_a_stranded_joiner_with_a_failed_launch_rank_names_stopping_the_ranks_above() -> None:
-    tail = failed_tail([1, 0, 0, 1], effective_size=4, launch_size=2)
-    assert tail is not None and tail.problem is not None
-    assert "launch-time ranks [1] failed too" in tail.problem
-    assert "restart the deployment" in tail.problem and "scale down past" not in tail.problem
-    assert "stop the servers of ranks [3]" in tail.problem
+def test_a_failed_joiner_below_a_live_one_rejoins_in_place() -> None:
+    assert failed_tail([1, 1, 0, 1], effective_size=4, launch_size=2) is None
+    assert failed_in_place([1, 1, 0, 1], effective_size=4, launch_size=2) == (2,)
+    # with a launch-time rank failed too, both rejoin in place together
+    assert failed_in_place([1, 0, 0, 1], effective_size=4, launch_size=2) == (1, 2)
+
+
+def test_only_the_failed_joiners_at_the_top_are_a_tail() -> None:
+    # ranks 2 and 4 failed, 3 serves: the tail is [4]; rank 2 rejoins in place once it is let go
+    mask = [1, 1, 0, 1, 0]
+    tail = failed_tail(mask, effective_size=5, launch_size=2)
+    assert tail is not None and list(tail.ranks) == [4]
+    assert failed_in_place(mask, effective_size=5, launch_size=2) == ()
+    assert failed_in_place(mask, effective_size=4, launch_size=2) == (2,)
 
 
 def test_failed_launch_time_ranks_after_a_scale_rejoin_in_place() -> None:
     # rank 1 (launched with the server) failed after a scale-up to 3: it rejoins in place
-    assert failed_launch_ranks([1, 0, 1, 0], effective_size=3, launch_size=2) == (1,)
-    tail = failed_tail([1, 0, 1, 0], effective_size=3, launch_size=2)
-    assert tail is not None and tail.problem is not None and "rejoin in place" in tail.problem
+    assert failed_in_place([1, 0, 1, 0], effective_size=3, launch_size=2) == (1,)
+    assert failed_tail([1, 0, 1, 0], effective_size=3, launch_size=2) is None
     # after a shrink below the launch size, a failed rank inside the size is a launch rank
     assert failed_tail([1, 1, 0, 0], effective_size=2, launch_size=3) is None
-    assert failed_launch_ranks([1, 0, 0, 0], effective_size=2, launch_size=3) == (1,)
-    assert failed_launch_ranks([1, 0, 0, 0], effective_size=4, launch_size=4) == (1, 2, 3)
-
-
-def test_no_rank_rejoins_in_place_when_none_failed_or_a_joiner_failed_too() -> None:
-    assert failed_launch_ranks([1, 1, 1, 0], effective_size=3, launch_size=2) == ()
-    assert failed_launch_ranks([1, 1, 0, 0], effective_size=3, launch_size=2) == ()
-    assert failed_launch_ranks([1, 0, 0, 0], effective_size=3, launch_size=2) == ()
+    assert failed_in_place([1, 0, 0, 0], effective_size=2, launch_size=3) == (1,)
+    assert failed_in_place([1, 0, 0, 0], effective_size=4, launch_size=4) == (1, 2, 3)
 
 
 def test_a_launch_rank_and_a_joiner_failing_together_let_the_joiner_go_first() -> None:
-    # rank 1 (launched) and rank 2 (joined) failed: the joined tail is let go, then rank 1
-    # rejoins in place at the smaller size
+    # rank 1 (launched) and rank 2 (joined, the top) failed: the joined tail is let go, then
+    # rank 1 rejoins in place at the smaller size
     mask = [1, 0, 0, 0]
     tail = failed_tail(mask, effective_size=3, launch_size=2)
-    assert tail is not None and tail.problem is None and list(tail.ranks) == [2]
-    assert failed_launch_ranks(mask, effective_size=3, launch_size=2) == ()
-    assert failed_launch_ranks(mask, effective_size=2, launch_size=2) == (1,)
-    # a live joiner after the failed one: the failed joiner is not the tail
-    tail = failed_tail([1, 0, 0, 1], effective_size=4, launch_size=2)
-    assert tail is not None and tail.problem is not None and "ranks [3] still serve" in tail.problem
+    assert tail is not None and list(tail.ranks) == [2]
+    assert failed_in_place(mask, effective_size=3, launch_size=2) == ()
+    assert failed_in_place(mask, effective_size=2, launch_size=2) == (1,)
 
 
 @pytest.mark.parametrize("effective, launch", [(5, 2), (0, 2), (2, 0)])

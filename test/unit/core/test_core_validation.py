@@ -126,31 +126,32 @@ def test_slots_past_the_launch_size_come_and_go_freely() -> None:
     assert grow.ok and grow.joining_ranks == (2, 3)
 
 
-STRANDED = ScaleTopology(max_ep_size=4, launch_size=2)  # ranks 2 and 3 joined by scale-up
+GROWN_TO_4 = ScaleTopology(max_ep_size=4, launch_size=2)  # ranks 2 and 3 joined by scale-up
 
 
 def test_a_scale_down_past_a_failed_joiner_below_a_live_one_is_accepted() -> None:
-    """Rank 2 joined by scale-up and failed while rank 3 serves: no relaunch brings it back,
-    so the scale-down that removes it with rank 3 (which drains) is the way out."""
-    v = validate_scale(2, current_size=4, topology=STRANDED, failed_ranks=[2])
+    """Rank 2 joined by scale-up and failed while rank 3 serves: a relaunch brings it back in
+    place, and the scale-down that removes it with rank 3 (which drains) is accepted too."""
+    v = validate_scale(2, current_size=4, topology=GROWN_TO_4, failed_ranks=[2])
     assert v.ok and v.direction is ScaleDirection.DOWN and v.leaving_ranks == (2, 3)
     assert "removes failed ranks [2]" in v.message and "live ranks [3], which drain" in v.message
 
 
-def test_a_smaller_scale_down_with_a_stranded_joiner_names_the_one_past_it() -> None:
-    v = validate_scale(3, current_size=4, topology=STRANDED, failed_ranks=[2])
+def test_a_smaller_scale_down_with_a_failed_joiner_below_a_live_one_names_both_ways() -> None:
+    v = validate_scale(3, current_size=4, topology=GROWN_TO_4, failed_ranks=[2])
     assert not v.ok and v.status == 409 and v.reason is RejectionReason.MUST_REMOVE_FAILED_RANKS
-    assert "scale down to 2 instead" in v.message and "recover" not in v.message
+    assert "scale down to 2 instead" in v.message
+    assert "--elastic-ep-join-mode recover (they rejoin in place)" in v.message
 
 
-def test_a_scale_up_with_a_stranded_joiner_names_the_scale_down_first() -> None:
+def test_a_scale_up_with_a_failed_joiner_below_a_live_one_names_recovery_first() -> None:
     big = ScaleTopology(max_ep_size=6, launch_size=2)
     v = validate_scale(6, current_size=4, topology=big, failed_ranks=[2])
     assert not v.ok and v.status == 409 and v.reason is RejectionReason.FAILED_RANKS_PRESENT
-    assert "scale down to 2 first" in v.message and "recover" not in v.message
+    assert "recover them first" in v.message and "scale down to 2 first" in v.message
 
 
-def test_a_joiner_in_a_refilled_launch_slot_is_not_stranded() -> None:
+def test_a_joiner_in_a_refilled_launch_slot_is_not_below_a_live_one_for_the_rules() -> None:
     """Launched at 3, shrunk to 2, grown back: the schedulers count slot 2 as launch-time (it
     is in the launch-time groups and rejoins in place), so the validator does too."""
     topo = ScaleTopology(max_ep_size=4, launch_size=3)
@@ -158,28 +159,29 @@ def test_a_joiner_in_a_refilled_launch_slot_is_not_stranded() -> None:
     assert not v.ok and "recover" in v.message
 
 
-def test_a_stranded_joiner_and_a_failed_launch_rank_refuse_sizes_and_name_what_works() -> None:
-    """No scale-down past rank 2 works while launch-time rank 1 is down too (the scale-down
-    would be called off for a failed staying rank), and no relaunch brings rank 2 back. What
-    works: stop rank 3 too (the failed joiners are then a tail the survivors let go, and rank
-    1 rejoins by a relaunch), or restart."""
+def test_a_failed_joiner_below_a_live_one_with_a_failed_launch_rank_names_the_relaunch() -> None:
+    """No scale-down past rank 2 works while launch-time rank 1 is down too (it would be
+    called off for a failed staying rank); both rejoin in place by a relaunch."""
     for target in (2, 3):
-        v = validate_scale(target, current_size=4, topology=STRANDED, failed_ranks=[1, 2])
-        assert not v.ok and v.status == 409 and "restart the deployment" in v.message
-        assert "Stop the servers of ranks [3]" in v.message
+        v = validate_scale(target, current_size=4, topology=GROWN_TO_4, failed_ranks=[1, 2])
+        assert not v.ok and v.status == 409, v.message
+        assert "relaunch them with --elastic-ep-join-mode recover" in v.message, v.message
+        assert "Stop the servers" not in v.message
 
 
-def test_a_tail_of_failed_joiners_is_not_stranded() -> None:
-    exact = validate_scale(3, current_size=4, topology=STRANDED, failed_ranks=[3])
+def test_a_tail_of_failed_joiners_is_removed_exactly() -> None:
+    exact = validate_scale(3, current_size=4, topology=GROWN_TO_4, failed_ranks=[3])
     assert exact.ok and exact.leaving_ranks == (3,)
-    past = validate_scale(2, current_size=4, topology=STRANDED, failed_ranks=[3])
+    past = validate_scale(2, current_size=4, topology=GROWN_TO_4, failed_ranks=[3])
     assert not past.ok and "scale down to exactly 3" in past.message
 
 
-def test_removing_a_stranded_joiner_by_rank_names_the_scale_down_past_it() -> None:
+def test_removing_a_failed_joiner_below_a_live_one_by_rank_names_what_works() -> None:
     named = resolve_removal([2], 4, failed=[2], launch_size=2)
     assert not isinstance(named, int) and named.status == 422
     assert "scale down to 2 instead (new_ep_size 2" in named.message
+    assert "relaunch them with --elastic-ep-join-mode recover (they rejoin in place)" \
+        in named.message
     assert resolve_removal([2, 3], 4, failed=[2], launch_size=2) == 2  # the tail: size 2
 
 
@@ -190,6 +192,6 @@ def test_removing_a_live_joiner_below_the_tail_names_how_to_take_its_host_out() 
     assert not isinstance(named, int) and named.status == 422
     assert '{"remove_ranks": [3]}' in named.message
     assert "to take their hosts out, scale down to 2 (new_ep_size 2" in named.message
-    assert validate_scale(2, current_size=4, topology=STRANDED).ok
+    assert validate_scale(2, current_size=4, topology=GROWN_TO_4).ok
     too_small = resolve_removal([2], 4, launch_size=2, min_size=3)
     assert not isinstance(too_small, int) and "hosts out" not in too_small.message

@@ -4,8 +4,8 @@ Walks the scale validator over reachable states (sizes of whole attention replic
 every expert, any one or two failed ranks, slots released below the launch size) and every
 target. A refusal that names a size to ask for instead must name one the same state accepts;
 one that tells the operator to recover ranks must be about a state with failed ranks that a
-relaunch brings back (the schedulers' rule, ``core.membership.failed_tail``: not a failed
-scale-joined rank with a live rank above it); one that names ranks to remove
+relaunch brings back (the schedulers' rule, ``core.membership``: a failed tail of scale-joined
+ranks is re-admitted, every other failed rank rejoins in place); one that names ranks to remove
 (``{"remove_ranks": [...]}``) must name a set the same state accepts.
 """
 
@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from sglang_elastic_ep.core.membership import failed_tail
+from sglang_elastic_ep.core.membership import failed_in_place, failed_tail
 from sglang_elastic_ep.core.validation import (
     ScaleTopology,
     ScaleVerdict,
@@ -39,21 +39,16 @@ TOPOLOGIES = [
 ]
 
 
-STOPPED = re.compile(r"Stop the servers of ranks (\[[\d, ]+\])")
-
-
-def relaunch_brings_back(current: int, failed: tuple[int, ...], launch: int | None,
-                         message: str = "") -> bool:
-    """Whether relaunching ``failed`` with ``--elastic-ep-join-mode recover`` works, by the
-    rule the schedulers apply, once the servers ``message`` says to stop are stopped (their
-    ranks fail too)."""
-    for stopped in map(json.loads, STOPPED.findall(message)):
-        failed = tuple(sorted(set(failed) | set(stopped)))
+def relaunch_brings_back(current: int, failed: tuple[int, ...], launch: int | None) -> bool:
+    """Whether relaunching ``failed`` with ``--elastic-ep-join-mode recover`` brings every one
+    of them back, by the rule the schedulers apply: a failed tail of scale-joined ranks is let
+    go and re-admitted, and every other failed rank rejoins in place once it is gone."""
     launch = launch or current
-    if all(r < launch for r in failed):
-        return True  # launch-time ranks rejoin in place
-    tail = failed_tail([0 if r in failed else 1 for r in range(current)], current, launch)
-    return tail is None or tail.problem is None
+    mask = [0 if r in failed else 1 for r in range(current)]
+    tail = failed_tail(mask, current, launch)
+    below = tail.first if tail is not None else current
+    back = set(tail.ranks if tail is not None else ()) | set(failed_in_place(mask, below, launch))
+    return back == set(failed)
 
 
 def states(topology: ScaleTopology) -> list[tuple[int, tuple[int, ...]]]:
@@ -88,8 +83,7 @@ def test_no_refusal_recommends_an_action_the_same_state_refuses(
                     (current, failed, target, verdict.message, removal.message)
             if "recover" in verdict.message:
                 assert failed, (current, target, verdict.message)
-                assert relaunch_brings_back(current, failed, topology.launch_size,
-                                            verdict.message), \
+                assert relaunch_brings_back(current, failed, topology.launch_size), \
                     (current, failed, target, verdict.message)
             assert verdict.message.strip(), (current, failed, target)
     assert walked > 0
@@ -173,6 +167,5 @@ def test_no_removal_refusal_recommends_an_action_the_same_state_refuses(
                     assert size_verdict.ok, (state, size_verdict.message)
                 if "recover" in verdict.message:
                     assert failed or holes, state
-                    assert holes or relaunch_brings_back(current, failed, launch,
-                                                         verdict.message), state
+                    assert holes or relaunch_brings_back(current, failed, launch), state
     assert walked > 0

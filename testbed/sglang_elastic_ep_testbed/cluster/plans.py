@@ -9,17 +9,18 @@ replacement in, and shrinks back to 2.
 
 Each step is one change, derived from the sets (:func:`steps_of`): ``kill`` (the negative
 ranks), ``recover`` (failed or removed ranks come back: relaunched with
-``--ep-join-mode recover``), ``grow`` (the next free slots: one joiner each, then
-``POST /scale_elastic_ep``), ``shrink`` (the tail: ``POST /scale_elastic_ep``; the released
-servers exit 0; a tail holding failed joiners below a live rank, which have no in-place
-rejoin, is shrunk past them), ``remove`` (launch-time ranks removed where they are,
-``{"remove_ranks": [...]}``, leaving holes that a later ``recover`` refills:
+``--ep-join-mode recover``; a failed tail of joiners is re-admitted, every other failed rank
+rejoins in place, all of those in one step), ``grow`` (the next free slots: one joiner each,
+then ``POST /scale_elastic_ep``), ``shrink`` (the tail: ``POST /scale_elastic_ep``; the
+released servers exit 0; a tail holding failed joiners below a live rank is shrunk past
+them), ``remove`` (launch-time ranks removed where they are, ``{"remove_ranks": [...]}``,
+leaving holes that a later ``recover`` refills:
 ``POST /scale_elastic_ep`` to the size with them, then their relaunches. Live ones: a set
 without them that is not a prefix; their servers exit 0. Failed ones: the same set again
 right after a kill of launch-time ranks with a serving rank above them; otherwise the same set
 again is ``stay``, and failed ranks stay failed). What the plugin does not do is refused
 before the cluster starts, with the reason: a removal of scale-joined ranks other than the
-tail, a recovery while failed joiners are below a live rank, a killed rank 0 (it hosts the HTTP
+tail, a killed rank 0 (it hosts the HTTP
 server), growing while ranks are failed or removed, a failed scale-joined tail brought back
 before the launch-time ranks that failed with it.
 
@@ -151,15 +152,19 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
     if added:
         back = [r for r in added if r in failed or r in holes]
         if back:
-            stranded = sorted(r for r in failed & joined if r < max(before))
-            if stranded:
-                raise PlanError(f"step {i}: failed scale-joined ranks {stranded} below a live "
-                                "rank have no in-place rejoin and keep failed launch-time "
-                                "ranks from rejoining: shrink past them, or kill the live "
-                                "joiners above them first")
             if back != added:
                 raise PlanError(f"step {i}: recover {back} first, then grow by "
                                 f"{sorted(set(added) - failed)}")
+            # A failed tail of joiners is let go and re-admitted; every other failed rank
+            # rejoins in place, and the survivors take those back together.
+            size = max(before | failed) + 1
+            tail_from = size
+            while tail_from - 1 in failed & joined:
+                tail_from -= 1
+            in_place = {r for r in failed if r < tail_from}
+            if in_place & set(back) and not in_place <= set(back):
+                raise PlanError(f"step {i}: ranks {sorted(in_place)} rejoin in place together: "
+                                "recover them in one step")
             still_down = sorted(r for r in failed - set(back) if r not in joined)
             if still_down and any(r in joined for r in back):
                 raise PlanError(f"step {i}: recover launch-time ranks {still_down} first: the "
