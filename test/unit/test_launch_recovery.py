@@ -255,3 +255,23 @@ def test_a_replacement_whose_rejoin_raises_ends_failed(monkeypatch: pytest.Monke
     machine = launch_recovery.replacement_machine(state)
     assert machine is not None and machine.phase is Phase.FAILED
     assert machine.error == "RuntimeError: group registration was rejected"
+
+
+def test_survivors_announce_a_joiner_below_a_live_rank_in_place_and_withdraw_it_once_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launched at 2, grown to 4; ranks 1 and 2 failed below the live rank 3: the survivors
+    tell rank 2's replacement (a scale joiner by its arguments) that they await it in place at
+    4 ranks; the launch-time rank 1 needs no notice."""
+    from sglang_elastic_ep.sglang import replacement_notices
+
+    values: dict[str, str] = {}
+    store = SimpleNamespace(set=values.__setitem__, check=lambda keys: all(k in values
+                                                                            for k in keys),
+                            get=lambda key: values[key].encode(),
+                            delete_key=lambda key: values.pop(key, None) is not None)
+    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
+    state = SimpleNamespace(original_ep_size=2, effective_ep_size=4)
+    launch_recovery.launch_recovery_machine(state, (1, 2))
+    assert (replacement_notices.in_place_size(2), replacement_notices.in_place_size(1)) == (4, 0)
+    replacement_notices.withdraw_in_place([2])  # as the survivors do once it is back
+    assert replacement_notices.in_place_size(2) == 0 and values == {}

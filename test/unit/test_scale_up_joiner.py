@@ -144,6 +144,30 @@ def test_a_joiner_that_joins_first_still_prepares_its_buffer_before_registering(
     assert start_up[-1] == "barrier" and "register and join: pending" not in start_up
 
 
+def test_a_replacement_below_a_live_rank_rejoins_in_place_instead_of_joining(
+        monkeypatch: pytest.MonkeyPatch, start_up: list[str]) -> None:
+    """The survivors serve on 4 ranks and await rank 2 in place (rank 3 serves above it): its
+    replacement registers no cohort and meets no commit barrier; at the commit point it runs
+    upstream's rejoin, as a launch-time rank's replacement does."""
+    import sglang.srt.layers.dp_attention as dp_attention
+
+    from sglang_elastic_ep.sglang import replacement_notices
+
+    monkeypatch.setattr(scale_up_joiner, "_joins_at_the_commit", lambda: True)
+    monkeypatch.setattr(dp_attention, "enable_joiner_all_gather",
+                        lambda: start_up.append("gathers over WORLD"))
+    store = FakeStore()
+    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
+    replacement_notices.announce_in_place([2], 4)
+    runner = SimpleNamespace(**vars(PREPARING_RUNNER), post_capture_elastic_ep_recover=lambda:
+                             start_up.append("upstream's rejoin"))
+    scale_up_joiner.prepare_then_join(lambda r: start_up.append("upstream's join"), runner)
+    start_up.append("KV cache")
+    commit_joining(lambda r, size: start_up.append("barrier"), runner, 3)
+    assert start_up == ["buffer of model", "gathers over WORLD", "KV cache", "upstream's rejoin"]
+    assert phase() == "none"  # never a scale joiner's admission
+
+
 def test_a_process_that_is_not_a_scale_joiner_prepares_nothing(
         start_up: list[str], joiner_process: SimpleNamespace) -> None:
     joiner_process.is_ep_scale_joiner = False
@@ -227,31 +251,31 @@ def test_a_replacement_of_the_lowest_slots_of_a_tail_waits_for_the_rest_with_the
     """Joiners 2 and 3 were let go together; rank 2's replacement is re-admitted at 3 while
     the survivors still await 4: it learns so before its commit barrier and awaits it too (its
     proposal must match theirs when rank 3's replacement registers)."""
-    from sglang_elastic_ep.sglang import tail_recovery
+    from sglang_elastic_ep.sglang import replacement_notices, tail_recovery
 
     store = FakeStore()
-    monkeypatch.setattr(tail_recovery, "_rendezvous_store", lambda: store)
-    tail_recovery._announce_partial_return(3, 4)  # a survivor, as it asks for size 3
+    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
+    replacement_notices.announce_partial_return(3, 4)  # a survivor, as it asks for size 3
     state = scale_up_joiner.elastic_state()
     state.effective_ep_size = 2
     join_world(lambda: None)
 
     def barrier(runner: Any, size: int) -> None:
         state.effective_ep_size = size
-        tail_recovery._withdraw_partial_return(size)  # the survivors, once it committed
+        replacement_notices.withdraw_partial_return(size)  # the survivors, once it committed
 
     commit_joining(barrier, RUNNER, 3)
     machine = tail_recovery.tail_recovery_state(state).machine
     assert machine is not None and machine.awaiting_replacement
     assert machine.failed_slots == range(3, 4)
-    assert tail_recovery.tail_awaited_above(3) == 0 and store.values == {}
+    assert replacement_notices.tail_awaited_above(3) == 0 and store.values == {}
 
 
 def test_a_joiner_of_an_ordinary_scale_up_awaits_no_tail(
         joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_elastic_ep.sglang import tail_recovery
+    from sglang_elastic_ep.sglang import replacement_notices, tail_recovery
 
-    monkeypatch.setattr(tail_recovery, "_rendezvous_store", lambda: FakeStore())
+    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: FakeStore())
     state = scale_up_joiner.elastic_state()
     state.effective_ep_size = 2
     join_world(lambda: None)

@@ -35,6 +35,7 @@ from sglang_elastic_ep.core.launch_recovery_machine import (
     ReplacementMachine,
 )
 from sglang_elastic_ep.core.membership import failed_in_place
+from sglang_elastic_ep.sglang import replacement_notices
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import (
     mark_ranks_activated,
     mark_ranks_drained,
@@ -97,45 +98,9 @@ def launch_recovery_machine(state: Any, ranks: tuple[int, ...],
                     "until their replacements are in WORLD (phase %s)", list(ranks),
                     f"scale-joined ranks {joined} below a live rank rejoin in place too"
                     if joined else "launched with the server", machine.phase.value)
-        announce_in_place(joined, int(state.effective_ep_size))
+        replacement_notices.announce_in_place(joined, int(state.effective_ep_size))
         holder.machine = machine
     return machine
-
-
-# In the rendezvous store while a scale-joined rank below a live one awaits its replacement:
-# ``{prefix}/{rank}`` -> the size the survivors serve on. The replacement, a scale joiner by its
-# arguments, reads it at start-up and rejoins in place instead of registering a scale cohort.
-IN_PLACE_KEY_PREFIX = "sglang_eep/rejoin_in_place"
-
-
-def _rendezvous_store() -> Any:
-    from sglang.srt.distributed.utils import get_global_tcp_store
-
-    return get_global_tcp_store()
-
-
-def announce_in_place(ranks: list[int], serving: int) -> None:
-    store = _rendezvous_store()
-    if store is not None:
-        for rank in ranks:
-            store.set(f"{IN_PLACE_KEY_PREFIX}/{rank}", str(serving))
-
-
-def _withdraw_in_place(ranks: list[int]) -> None:
-    store = _rendezvous_store()
-    if store is not None:
-        for rank in ranks:
-            store.delete_key(f"{IN_PLACE_KEY_PREFIX}/{rank}")
-
-
-def in_place_size(rank: int) -> int:
-    """The size the survivors serve on when they await ``rank``'s replacement in place (a
-    scale-joined rank below a live one), else 0: read by a scale joiner at start-up."""
-    store = _rendezvous_store()
-    key = f"{IN_PLACE_KEY_PREFIX}/{rank}"
-    if store is None or not store.check([key]):
-        return 0
-    return int(store.get(key).decode())
 
 
 def replacements_registered(state: Any, ranks: tuple[int, ...]) -> bool:
@@ -158,7 +123,8 @@ def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
                      moe_ep_rank=runner._elastic_global_rank()):
         runner.forward_pass_id = 0
         machine.rejoined(time.monotonic())
-        _withdraw_in_place([r for r in ranks if r >= int(state.original_ep_size)])
+        replacement_notices.withdraw_in_place(r for r in ranks
+                                              if r >= int(state.original_ep_size))
         logger.info("[elastic-ep] %s %s rejoined: serving on %d ranks again "
                     "(phase %s)", what, list(ranks), state.effective_ep_size, machine.phase.value)
     else:  # every survivor saw them registered on the agreed pass: Mooncake went back on it

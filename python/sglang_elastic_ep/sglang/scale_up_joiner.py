@@ -35,7 +35,7 @@ from typing import Any
 
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.scale_up_machine import JoinerMachine
-from sglang_elastic_ep.sglang import launch_recovery, tail_recovery
+from sglang_elastic_ep.sglang import replacement_notices, tail_recovery
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import prepare_data_plane
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.replica_loading import own_slots, reload_moved_experts
@@ -83,7 +83,7 @@ def prepare_then_join(original: Any, runner: Any) -> Any:
     prepare_data_plane(runner.model, connect=False)
     holder = attached_state(state, _STATE_ATTR, JoinerState)
     rank = _join_size_and_rank()[1]
-    holder.rejoin_in_place_at = launch_recovery.in_place_size(rank)
+    holder.rejoin_in_place_at = replacement_notices.in_place_size(rank)
     if holder.rejoin_in_place_at:
         # Its slot is below a live rank: the survivors take it back where it is, as a
         # launch-time rank's replacement (upstream's rejoin over WORLD), not as a scale joiner.
@@ -254,7 +254,7 @@ def commit_joining(original: Any, runner: Any, target_size: int) -> Any:
         return original(runner, target_size)
     reload_moved_experts(runner, runner._elastic_global_rank(), holder.loaded)
     # A replacement of the lowest slots of a let-go tail: the survivors still await the rest.
-    awaited = tail_recovery.tail_awaited_above(machine.new_size)
+    awaited = replacement_notices.tail_awaited_above(machine.new_size)
     machine.syncing(time.monotonic())
     result = run_step(machine, _who(machine), original, runner, target_size)
     machine.serving(time.monotonic())

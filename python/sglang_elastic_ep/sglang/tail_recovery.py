@@ -37,6 +37,7 @@ from sglang_elastic_ep.core.membership import failed_in_place, failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
 from sglang_elastic_ep.core.tail_recovery_machine import ReplacementVerdict, TailRecoveryMachine
+from sglang_elastic_ep.sglang import replacement_notices
 from sglang_elastic_ep.sglang.gather_repair import (
     LastGatheredRows,
     repair_after_failed_gather,
@@ -182,6 +183,9 @@ def let_go_of_failed_tail(runner: Any, target: int) -> None:
     machine = TailRecoveryMachine(first_failed=target, return_to=old,
                                   started_at=time.monotonic())
     release_tail(runner, target, tell_tokenizer=False, move_experts=False)
+    # Joiners of the tail that failed below a live rank were awaited in place until the ranks
+    # above failed too: their replacements now join at the tail.
+    replacement_notices.withdraw_in_place(range(target, old))
     machine.let_go(time.monotonic())
     tail_recovery_state(state).machine = machine
     state.scale_phase = machine.phase.value
@@ -216,40 +220,6 @@ def await_the_tail_with_the_survivors(state: Any, return_to: int) -> None:
                 "waits with them", machine.first_failed, return_to - 1)
 
 
-# In the rendezvous store while the survivors re-admit the lowest slots of a let-go tail below
-# its old size: ``{prefix}/{size re-admitted to}`` -> the old size. The replacement reads it
-# before its commit barrier and waits for the rest of the tail with the survivors.
-AWAITED_TAIL_KEY_PREFIX = "sglang_eep/awaited_tail"
-
-
-def _rendezvous_store() -> Any:
-    from sglang.srt.distributed.utils import get_global_tcp_store
-
-    return get_global_tcp_store()
-
-
-def tail_awaited_above(size: int) -> int:
-    """The old size the survivors still await once a replacement has brought them to ``size``
-    (0: none; read by a scale joiner before its commit barrier)."""
-    store = _rendezvous_store()
-    key = f"{AWAITED_TAIL_KEY_PREFIX}/{size}"
-    if store is None or not store.check([key]):
-        return 0
-    return int(store.get(key).decode())
-
-
-def _announce_partial_return(target: int, return_to: int) -> None:
-    store = _rendezvous_store()
-    if store is not None and target < return_to:
-        store.set(f"{AWAITED_TAIL_KEY_PREFIX}/{target}", str(return_to))
-
-
-def _withdraw_partial_return(target: int) -> None:
-    store = _rendezvous_store()
-    if store is not None:
-        store.delete_key(f"{AWAITED_TAIL_KEY_PREFIX}/{target}")
-
-
 def request_return_when_replacement_registered(state: Any) -> None:
     """Step 2: once the replacement's cohort is in the store and its process in Mooncake's
     WORLD, ask for the old size again (this rank only; the per-pass agreement then waits for
@@ -277,7 +247,7 @@ def request_return_when_replacement_registered(state: Any) -> None:
         recovery.report_once(machine.wrong_size_message(target))
     elif verdict is ReplacementVerdict.READMIT and target is not None \
             and state_manager().request_scale(target):
-        _announce_partial_return(target, machine.return_to)
+        replacement_notices.announce_partial_return(target, machine.return_to)
         machine.readmission_requested(time.monotonic(), target)
         logger.info("[elastic-ep] replacement for ranks %d..%d registered: re-admitting it",
                     machine.first_failed, target - 1)
@@ -293,7 +263,7 @@ def note_committed(state: Any) -> None:
     entered = machine.observe(int(state.effective_ep_size), state.pending_ep_size is not None,
                               time.monotonic())
     if entered is not None and asked < machine.return_to:  # read before its commit barrier
-        _withdraw_partial_return(asked)
+        replacement_notices.withdraw_partial_return(asked)
     if entered is Phase.SERVING_RECOVERED:
         logger.info("[elastic-ep] recovered ranks that joined by scale-up: back at %d ranks",
                     machine.return_to)

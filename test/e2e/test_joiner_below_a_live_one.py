@@ -1,24 +1,23 @@
-"""A scale joiner killed below a live one (CPU cluster, four ranks): shrunk past it, or, with a
-launch-time rank failed too, the live joiner above stopped so the failed joiners are a tail.
+"""A scale joiner killed below a live one (CPU cluster, four ranks): relaunched in place,
+shrunk past, or let go once the live joiner above dies too.
 
 Two launch ranks grow to four with two joiners; the first joiner (rank 2) is killed with
-SIGKILL while rank 3 serves above it. A scale-joined rank has no in-place rejoin (its
-replacement joins at the tail, once the survivors let the failed tail go), and rank 3 keeps
-rank 2 from being a tail, so rank 2 is stranded: a relaunch cannot bring it back. What works
-from there, and what every refusal names, is a scale-down past it: ``new_ep_size`` 2 removes
-the dead rank 2 together with rank 3, which drains first; a later scale-up refills the slots.
-The plan is ``test/plans/kill_a_joiner_below_a_live_one_then_shrink_past_it.json``
-(``[[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1], [0, 1, 2]]``).
+SIGKILL while rank 3 serves above it. Rank 2 is no failed tail the survivors could let go, so
+they await its replacement where it is, as for a launch-time rank: its relaunch with
+``--ep-join-mode recover`` rejoins through upstream's recovery over WORLD and takes on the
+survivors' size. Plan
+``test/plans/kill_a_joiner_below_a_live_one_and_relaunch_it_in_place.json``
+(``[[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2, 3], [0, -1, -2, 3],
+[0, 1, 2, 3]]``): rank 2 alone, then node 1 and rank 2 together, relaunched at once.
 
-With a launch-time rank failed together with the stranded joiner, no scale-down is accepted
-(it would be called off for the failed staying rank); the refusal names what still works
-short of a restart, and the second test follows it: stop the server of the live joiner above
-(here SIGKILL, the harshest stop), so the failed joiners are a tail the survivors let go, then
-relaunch the launch-time node and the joiners in recover mode. Its plan is
-``test/plans/kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json``
-(``[[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, -1, -2, 3], [0, -3], [0, 1], [0, 1, 2, 3]]``).
+The other way out is a scale-down past it: ``new_ep_size`` 2 removes the dead rank 2 together
+with rank 3, which drains first; a later scale-up refills the slots
+(``kill_a_joiner_below_a_live_one_then_shrink_past_it.json``). And when the live joiner above
+dies too, the failed joiners are a tail the survivors let go, and the launch-time rank that
+failed with them rejoins first
+(``kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json``).
 
-Marker ``long``: the second joiner starts beside three ranks on two cores (about 6 minutes).
+Marker ``long``: the second joiner starts beside three ranks on two cores (6-10 minutes each).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from sglang_elastic_ep_testbed.cluster.plans import Step, load_plan, plan_spec, 
 
 PLANS = Path(__file__).parents[1] / "plans"
 PLAN = PLANS / "kill_a_joiner_below_a_live_one_then_shrink_past_it.json"
+IN_PLACE_PLAN = PLANS / "kill_a_joiner_below_a_live_one_and_relaunch_it_in_place.json"
 MIXED_PLAN = PLANS / "kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json"
 
 
@@ -41,7 +41,8 @@ MIXED_PLAN = PLANS / "kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_jo
 @pytest.mark.timeout(2700)
 def test_a_killed_joiner_below_a_live_one_is_shrunk_past(tiny_model: Path) -> None:
     """Every step of the plan is checked by the runner (sets, serving shards, lost requests,
-    outputs); at the kill, the refusals of what cannot work name the shrink past rank 2."""
+    outputs); at the kill, the refusals of what cannot work name the relaunch and the shrink
+    past rank 2."""
     steps = load_plan(PLAN)
     spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics"])
     assert spec.nodes == 1  # the launch ranks share one server; each joiner has its own
@@ -57,7 +58,8 @@ def test_a_killed_joiner_below_a_live_one_is_shrunk_past(tiny_model: Path) -> No
             assert "scale down to 2 instead" in remove.json()["message"], remove.text
             short = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3}, timeout=60)
             assert short.status_code == 409, short.text  # not past rank 2
-            assert "scale down to 2 instead" in short.json()["message"], short.text
+            for way in ("scale down to 2 instead", "they rejoin in place"):
+                assert way in short.json()["message"], short.text
             after = httpx.get(url + "/elastic_ep/status", timeout=30).json()
             assert after["effective_ep_size"] == 4 and after["current_operation"] is None, after
         elif step.kind == "shrink":
@@ -77,12 +79,13 @@ def test_a_killed_joiner_below_a_live_one_is_shrunk_past(tiny_model: Path) -> No
 
 @pytest.mark.long
 @pytest.mark.timeout(3600)
-def test_a_launch_node_failed_with_a_stranded_joiner_recovers_once_the_joiner_above_stops(
+def test_a_launch_node_and_a_joiner_below_a_live_one_recover_after_the_one_above_dies_too(
         tiny_model: Path) -> None:
-    """At the double kill every size change is refused with the way out (stop rank 3); after
-    rank 3 stops, the failed joiners [2, 3] are a tail the survivor lets go, node 1 rejoins in
-    place, and the joiners' relaunches bring the cluster back to four ranks. The runner checks
-    every step (sets, serving shards, lost requests, outputs)."""
+    """At the double kill every size change is refused with the way out (their relaunch:
+    they rejoin in place); rank 3 then dies too, so the failed joiners [2, 3] are a tail the
+    survivor lets go, node 1 rejoins in place, and the joiners' relaunches bring the cluster
+    back to four ranks. The runner checks every step (sets, serving shards, lost requests,
+    outputs)."""
     steps = load_plan(MIXED_PLAN)
     spec = plan_spec(tiny_model, steps)
     assert spec.nodes == 2  # node 1 dies and comes back alone
@@ -96,7 +99,7 @@ def test_a_launch_node_failed_with_a_stranded_joiner_recovers_once_the_joiner_ab
                                      timeout=60)
                 assert refused.status_code == 409, refused.text
                 message = refused.json()["message"]
-                assert "Stop the servers of ranks [3]" in message, message
+                assert "relaunch them with --elastic-ep-join-mode recover" in message, message
             after = httpx.get(url + "/elastic_ep/status", timeout=30).json()
             assert after["effective_ep_size"] == 4 and after["current_operation"] is None, after
         elif step.index == 6:
@@ -108,3 +111,29 @@ def test_a_launch_node_failed_with_a_stranded_joiner_recovers_once_the_joiner_ab
         recovered = {rank for e in events if e["type"] == "rank_recovered"
                      for rank in e.get("ranks", [])}
         assert 1 in recovered, events
+
+
+@pytest.mark.long
+@pytest.mark.timeout(3600)
+def test_a_killed_joiner_below_a_live_one_rejoins_in_place(tiny_model: Path) -> None:
+    """Rank 2 killed while rank 3 serves: its relaunch rejoins in place at 4 ranks, rank 3
+    serving throughout. Then node 1 and rank 2 are killed together and relaunched at once
+    (rank 2's first): the survivors take both back on one agreed pass. The runner checks
+    every step (sets, serving shards, lost requests, outputs)."""
+    steps = load_plan(IN_PLACE_PLAN)
+    spec = plan_spec(tiny_model, steps)
+    assert spec.nodes == 2  # node 1 dies and comes back alone
+    with LocalCluster(spec) as cluster:
+        runner = run_plan(cluster, steps, concurrency=4, relaunch_order="highest_first")
+        survivor_log = cluster.primary.log_path.read_text(errors="replace")
+        assert "ranks [2] rejoined: serving on 4 ranks again" in survivor_log
+        assert "ranks [1, 2] rejoined: serving on 4 ranks again" in survivor_log
+        assert "the survivors let go" not in survivor_log  # nothing left the layout
+        above = runner.joiners[3].log_path.read_text(errors="replace")
+        assert "ranks [1, 2] rejoined: serving on 4 ranks again" in above
+        replacement = runner.joiners[2].log_path.read_text(errors="replace")
+        assert "rank 2 rejoins at the size the survivors serve on: 4 ranks" in replacement
+        assert "registered its cohort" not in replacement
+        events = sse_events(cluster.url)
+        recovered = [e["ranks"] for e in events if e["type"] == "rank_recovered"]
+        assert [2] in recovered or any(2 in r for r in recovered), events
