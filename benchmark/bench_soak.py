@@ -53,8 +53,9 @@ def rss_by_mapping(pid: int) -> dict[str, float]:
 
 def mapping_growth(before: dict[str, float], after: dict[str, float]
                    ) -> list[tuple[str, float, float]]:
-    """(mapping, KiB before, KiB after) for the mappings whose RSS changed most."""
-    names = set(before) | set(after)
+    """(mapping, KiB before, KiB after) for the mappings whose RSS changed most (none that
+    kept its size)."""
+    names = [n for n in set(before) | set(after) if after.get(n, 0.0) != before.get(n, 0.0)]
     changed = sorted(names, key=lambda n: -abs(after.get(n, 0.0) - before.get(n, 0.0)))
     return [(n, before.get(n, 0.0), after.get(n, 0.0)) for n in changed[:TOP_MAPPINGS]]
 

@@ -152,7 +152,7 @@ class InProcessControlPlane:
         # A refill waits for relaunches no scheduler step bounds: it fails after this long.
         self._refill_timeout_s = refill_timeout_s
         # Slots scale joiners hold now (those below the launch size too, once a shrink released
-        # and a scale-up refilled them): they have no in-place rejoin, so never become holes.
+        # and a scale-up refilled them): they leave from the tail only, so never become holes.
         self._joined_slots: set[int] = set()
         self._clock = clock
         self._events = events or EventLog(self._instance_id, capacity=event_capacity, clock=clock)
