@@ -18,6 +18,12 @@ survivor takes the replacement back into the groups it shares with it (WORLD onl
 scale-joined survivor). Each survivor's side runs as a core machine
 (``core.launch_recovery_machine``), driven from here. No slot leaves the layout meanwhile: the
 failed rank's experts are served from their replicas.
+
+A failed scale-joined rank below a live one rejoins the same way (``failed_in_place``):
+Mooncake admits a scale joiner by recovering its WORLD slot, and no launch-time group holds
+it. Its replacement, a scale joiner by its arguments, learns from the survivors' notice
+(``replacement_notices``) to run upstream's rejoin instead of a scale join
+(``scale_up_joiner``).
 """
 
 from __future__ import annotations
@@ -64,10 +70,10 @@ logger = get_logger(__name__)
 
 
 def ranks_to_rejoin(state: Any) -> tuple[int, ...]:
-    """The failed launch-time ranks this survivor waits for (``()`` while a scale is pending,
-    or when some failed rank joined by scale-up). Before any scale too: upstream's own
-    recovery has each survivor take the replacement back on the pass it sees it registered:
-    with two survivors, on different passes."""
+    """The failed ranks this survivor waits for in place (``()`` while a scale is pending, or
+    while a failed tail of scale-joined ranks is still to be let go). Before any scale too:
+    upstream's own recovery has each survivor take the replacement back on the pass it sees it
+    registered: with two survivors, on different passes."""
     if state.pending_ep_size is not None:
         return ()
     return failed_in_place(live_mask(state), int(state.effective_ep_size),
