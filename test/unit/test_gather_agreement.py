@@ -419,3 +419,26 @@ def test_a_removal_below_the_tail_is_proposed_by_its_ranks_before_any_other_step
     down.machine.committed(time.monotonic())
     assert propose(state, proposing, batch_idle=True) == Proposal(2, StepKind.RECOVER, 0, 3, 3)
 
+
+
+def test_a_failed_joiner_below_a_live_one_is_proposed_for_the_rejoin_in_place(
+        proposing: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launched at 2, grown to 4, joiner 2 failed while joiner 3 serves: no let-go (it is no
+    tail); the survivors wait for its replacement in WORLD and take it back in place, as for
+    a launch-time rank. Once rank 3 fails too, the failed joiners are a tail to let go."""
+    from sglang_elastic_ep.sglang import replacement_notices
+
+    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: None)
+    mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    state = SimpleNamespace(pending_ep_size=None, effective_ep_size=4, has_scaled=True,
+                            original_ep_size=2, active_ranks=mask.clone(),
+                            active_ranks_cpu=mask.clone(), scale_phase="idle")
+    registered: list[tuple[int, ...]] = []
+    monkeypatch.setattr(launch_recovery, "replacements_registered",
+                        lambda state, ranks: registered.append(ranks) or len(registered) > 1)
+    propose = gather_agreement.propose
+    assert propose(state, proposing, batch_idle=True) == Proposal(2, StepKind.RECOVER, 0, 4, 4)
+    assert propose(state, proposing, batch_idle=True) == Proposal(2, StepKind.RECOVER, 4, 4, 4)
+    assert registered == [(2,), (2,)]
+    state.active_ranks_cpu[3] = 0
+    assert launch_recovery.ranks_to_rejoin(state) == ()  # the tail [2, 4) is let go first

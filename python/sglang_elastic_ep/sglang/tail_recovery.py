@@ -183,9 +183,6 @@ def let_go_of_failed_tail(runner: Any, target: int) -> None:
     machine = TailRecoveryMachine(first_failed=target, return_to=old,
                                   started_at=time.monotonic())
     release_tail(runner, target, tell_tokenizer=False, move_experts=False)
-    # Joiners of the tail that failed below a live rank were awaited in place until the ranks
-    # above failed too: their replacements now join at the tail.
-    replacement_notices.withdraw_in_place(range(target, old))
     machine.let_go(time.monotonic())
     tail_recovery_state(state).machine = machine
     state.scale_phase = machine.phase.value

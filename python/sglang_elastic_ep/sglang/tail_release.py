@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.sglang import replacement_notices
 from sglang_elastic_ep.sglang.expert_moves import move_experts_off_leaving_ranks
 from sglang_elastic_ep.sglang.join_kind import slot_history
 from sglang_elastic_ep.sglang.operation_log import get_logger
@@ -96,6 +97,9 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
     slot_history(state).release(leaving)  # their experts left the map: a rejoin is a scale-up
     if staying:
         release_launch_ranks(state, target, rank)
+        # A failed joiner among them that was awaited in place (a live rank was above it)
+        # leaves with the tail: the next process in its slot joins by scale-up.
+        replacement_notices.withdraw_in_place(leaving)
     world_quiesce(state).before_view_change("release", leaving)
     answer = deactivate_ranks(dist.group.WORLD, leaving)
     logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks(%s): %s, epoch %s", rank,
