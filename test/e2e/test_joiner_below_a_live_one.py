@@ -8,7 +8,7 @@ they await its replacement where it is, as for a launch-time rank: its relaunch 
 survivors' size. Plan
 ``test/plans/kill_a_joiner_below_a_live_one_and_relaunch_it_in_place.json``
 (``[[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2, 3], [0, -1, -2, 3],
-[0, 1, 2, 3]]``): rank 2 alone, then node 1 and rank 2 together, relaunched at once.
+[0, 1, 2, 3]]``): rank 2 alone, then node 1 and rank 2 together, rank 2's relaunch first.
 
 The other way out is a scale-down past it: ``new_ep_size`` 2 removes the dead rank 2 together
 with rank 3, which drains first; a later scale-up refills the slots
@@ -117,8 +117,9 @@ def test_a_launch_node_and_a_joiner_below_a_live_one_recover_after_the_one_above
 @pytest.mark.timeout(3600)
 def test_a_killed_joiner_below_a_live_one_rejoins_in_place(tiny_model: Path) -> None:
     """Rank 2 killed while rank 3 serves: its relaunch rejoins in place at 4 ranks, rank 3
-    serving throughout. Then node 1 and rank 2 are killed together and relaunched at once
-    (rank 2's first): the survivors take both back on one agreed pass. The runner checks
+    serving throughout. Then node 1 and rank 2 are killed together and relaunched, rank 2's
+    first (node 1's starts once rank 2's waits): the survivors take both back on one agreed
+    pass. The runner checks
     every step (sets, serving shards, lost requests, outputs)."""
     steps = load_plan(IN_PLACE_PLAN)
     spec = plan_spec(tiny_model, steps)

@@ -295,12 +295,13 @@ HIGHEST_FIRST = (Path(__file__).parents[1] / "plans"
 @pytest.mark.timeout(3600)
 def test_failed_ranks_relaunched_at_once_highest_first_all_come_back(tiny_model: Path) -> None:
     """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, -3],
-    [0, 1, 2, 3]] with every recover step relaunching its failed ranks at once, the highest
-    first and the joiners before the launch-time node (an orchestrator restarting failed pods
-    in any order). First node 1 and joiner 2 die together: joiner 2's replacement starts first
-    and waits in its admission until node 1's replacement has rejoined in place. Then, at four
-    ranks, both joiners die: rank 3's replacement starts first and waits until rank 2's is
-    re-admitted at 3 ranks, then comes in at 4. The runner checks every step (sets, serving
+    [0, 1, 2, 3]] with every recover step relaunching its failed ranks the highest first, the
+    joiners before the launch-time node, each started once the one before waits for the
+    survivors (an orchestrator restarting failed pods in any order). First node 1 and joiner 2
+    die together: joiner 2's replacement registers first and waits in its admission until node
+    1's replacement has rejoined in place. Then, at four ranks, both joiners die: rank 3's
+    replacement registers first and waits until rank 2's is re-admitted at 3 ranks, then comes
+    in at 4. The runner checks every step (sets, serving
     shards, lost requests, outputs); four clients, as in the plan of a node and its joiner
     killed together."""
     steps = load_plan(HIGHEST_FIRST)

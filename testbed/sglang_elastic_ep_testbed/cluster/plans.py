@@ -61,6 +61,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     wait_operation,
     wait_status,
 )
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_NUM_EXPERTS
 
 StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "remove", "stay"]
@@ -69,10 +70,15 @@ StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "remove", "sta
 KillHow = Literal["server", "scheduler"]
 # The order a recover step relaunches failed ranks in. "lowest_first": launch-time ranks
 # together, then the joiners one at a time from the lowest, each awaited before the next (what
-# the survivors admit first). "highest_first": every replacement at once, joiners before
-# launch-time ranks and from the highest rank down, as an orchestrator restarting failed pods
-# in any order would.
+# the survivors admit first). "highest_first": the reverse, as an orchestrator restarting
+# failed pods in any order may: joiners before launch-time ranks, from the highest rank down,
+# each started once the one before waits for the survivors (its start-up done), so the
+# survivors must hold the higher ones back until the lower ones are in.
 RelaunchOrder = Literal["lowest_first", "highest_first"]
+# What a replacement logs once its start-up is done and it waits for the survivors: a let-go
+# tail's joiner in its admission, a rank that rejoins in place in upstream's rejoin.
+WAITING_FOR_THE_SURVIVORS = ("registered its cohort: waits for the serving ranks to admit it",
+                             "waits for the survivors to take it back")
 
 
 class PlanError(ValueError):
@@ -299,20 +305,27 @@ class PlanRunner:
         # A refilled launch slot is a joiner's.
         nodes = [r for r in step.ranks if r < launch and r not in self.joiners]
         if self.relaunch_order == "highest_first":
-            self._relaunch_all_at_once(step, nodes)
+            self._relaunch_highest_first(step, nodes)
         else:
             self._relaunch_lowest_first(step, nodes)
         if holes:
             self._wait_succeeded(refill, f"the refill of {holes}")
 
-    def _relaunch_all_at_once(self, step: Step, nodes: Sequence[int]) -> None:
-        for rank in sorted(step.ranks, key=lambda r: (r in nodes, -r)):
+    def _relaunch_highest_first(self, step: Step, nodes: Sequence[int]) -> None:
+        order = sorted(step.ranks, key=lambda r: (r in nodes, -r))
+        for rank in order:
             if rank in nodes:
                 server = self.cluster.start_node(rank, recover=True)
                 if self.on_relaunch is not None:
                     self.on_relaunch(self, rank, server)
             else:
-                self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
+                server = self.joiners[rank] = self.cluster.start_joiner("recover",
+                                                                        rank_offset=rank)
+            if rank != order[-1]:
+                log = server.log_path
+                wait_until(lambda log=log: any(line in log.read_text(errors="replace")
+                                               for line in WAITING_FOR_THE_SURVIVORS) or None,
+                           CHANGE_S, f"rank {rank}'s replacement waiting for the survivors")
         for rank in step.ranks:
             self._wait_state(rank, "active", CHANGE_S)
 
