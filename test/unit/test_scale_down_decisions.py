@@ -213,3 +213,20 @@ def test_a_rank_that_reads_the_request_after_the_call_off_refuses_it_once() -> N
     assert message is not None and "called off" in message and "timed out" in message
     # a later request for 2 is a new one
     assert down.take_called_off(state, StepKind.SHRINK, 2) is None
+
+
+def test_a_shrink_past_every_failed_rank_is_no_recovery_in_progress() -> None:
+    """Upstream counts a failed rank inside the size as a recovery in progress; a shrink whose
+    leaving ranks hold every failed rank removes them instead (joiner 2 failed below the live
+    joiner 3, awaited in place: new_ep_size 2 removes both)."""
+    mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    state = SimpleNamespace(pending_ep_size=None, effective_ep_size=4, active_ranks=mask.clone(),
+                            active_ranks_cpu=mask.clone())
+    assert scale_down.removes_every_failed_rank(state, 2)
+    assert not scale_down.removes_every_failed_rank(state, 3)  # rank 2 would stay, failed
+    state.active_ranks_cpu[1] = 0  # a launch-time rank failed too: it would stay
+    assert not scale_down.removes_every_failed_rank(state, 2)
+    healthy = SimpleNamespace(pending_ep_size=None, effective_ep_size=4,
+                              active_ranks=torch.ones(4, dtype=torch.int32),
+                              active_ranks_cpu=torch.ones(4, dtype=torch.int32))
+    assert not scale_down.removes_every_failed_rank(healthy, 2)  # nothing failed to remove

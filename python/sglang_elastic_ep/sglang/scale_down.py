@@ -165,10 +165,22 @@ def refusal(state: Any, new_ep_size: int) -> str | None:
     too_few = too_few_dp_ranks(bool(parallel.attn_dp_enabled), new_ep_size, replica)
     if too_few is not None:
         return too_few
-    if state_manager().is_scaling():
+    if state_manager().is_scaling() and not removes_every_failed_rank(state, new_ep_size):
         return ("another scale or a recovery is in progress: wait until it finishes "
                 "(GET /elastic_ep/status), then retry")
     return shrink_refusal(old, new_ep_size)
+
+
+def removes_every_failed_rank(state: Any, new_ep_size: int) -> bool:
+    """Whether shrinking to ``new_ep_size`` leaves out every failed rank while no scale is
+    pending. Upstream counts a failed rank inside the size as a recovery in progress; such a
+    scale-down removes the failed ranks instead of waiting for their replacements (a dead
+    leaving rank leaves anyway), e.g. past a failed joiner awaited in place below a live one."""
+    if state.pending_ep_size is not None:
+        return False
+    mask = tail_recovery.live_mask(state)
+    failed = [r for r in range(int(state.effective_ep_size)) if not mask[r]]
+    return bool(failed) and min(failed) >= new_ep_size
 
 
 def too_few_dp_ranks(attn_dp_enabled: bool, new_ep_size: int, replica: int) -> str | None:
