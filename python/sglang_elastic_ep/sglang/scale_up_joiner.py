@@ -21,6 +21,11 @@ in, and how long each took once it serves; a step that raises ends the machine i
 the error before the exception goes on. Before the barrier, a joiner whose slots the serving
 ranks' map fills with other experts than it loaded at start-up loads them again
 (``replica_loading``).
+
+A replacement of a scale-joined rank below a live one starts as a scale joiner too (its
+arguments name its slot's offset), but the survivors await it in place and say so in the
+rendezvous store (``replacement_notices``): it then registers no cohort and meets no commit
+barrier, and at its commit point runs upstream's rejoin instead (``launch_recovery``).
 """
 
 from __future__ import annotations
