@@ -189,6 +189,40 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
                     ("nixl", 3, 2)]
 
 
+def test_a_scale_joined_slots_replacement_takes_on_the_survivors_size_from_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2's replacement (a scale joiner at offset 2, which upstream starts at size 3) is
+    taken back in place by survivors serving on 4 ranks: its map grows from 3 ranks' slots to
+    4's, and its launch-time boundary stays the deployment's (2), not its own size."""
+    from sglang.srt import runtime_context
+    from sglang.srt.elastic_ep import elastic_ep
+
+    done: list[object] = []
+    monkeypatch.setattr(runtime_context, "get_parallel",
+                        lambda: SimpleNamespace(elastic_ep_initial_size=2, tp_size=1))
+    monkeypatch.setattr(runtime_context, "get_context", lambda: SimpleNamespace(
+        override=lambda name, **kw: done.append(("override", kw["ep_size"]))))
+    monkeypatch.setattr(elastic_ep, "update_dp_attention_for_elastic_ep",
+                        lambda **kw: done.append(("dp", kw["physical_ep_size"],
+                                                  kw["physical_ep_rank"])))
+    manager = SimpleNamespace(_on_scale=object(),
+                              on_scale=lambda old, new: done.append(("nixl", old, new)))
+    monkeypatch.setattr(launch_recovery, "state_manager", lambda: manager)
+    monkeypatch.setattr(launch_recovery, "mark_ranks_activated",
+                        lambda ranks: done.append(("activated", list(ranks))))
+    monkeypatch.setattr(launch_recovery, "adopt_launch_group_size", lambda state: None)
+    metadata = SimpleNamespace(num_physical_experts=48,
+                               physical_to_logical_map=torch.zeros((2, 48), dtype=torch.int64))
+    monkeypatch.setattr(launch_recovery, "expert_location_metadata", lambda: metadata)
+    monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(2, {}))
+    replacement = survivor([0, 0, 1, 0], effective=3, launch=2, scaled=True)
+    replacement.ep_join_rank_offset = 2
+    launch_recovery.take_on_serving_size(replacement, 4)
+    assert tuple(metadata.physical_to_logical_map.shape) == (2, 64)  # 16 slots x 4 ranks
+    assert (replacement.effective_ep_size, replacement.original_ep_size) == (4, 2)
+    assert done == [("override", 4), ("dp", 4, 2), ("activated", [0, 1, 2, 3]), ("nixl", 3, 4)]
+
+
 def test_the_survivor_machine_follows_the_failed_set_and_the_agreed_rejoin(
         monkeypatch: pytest.MonkeyPatch) -> None:
     state = SimpleNamespace(original_ep_size=3, effective_ep_size=3)
