@@ -47,7 +47,7 @@ def test_a_killed_joiner_below_a_live_one_is_shrunk_past(tiny_model: Path) -> No
     spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics"])
     assert spec.nodes == 1  # the launch ranks share one server; each joiner has its own
 
-    def stranded_then_shrunk(step: Step, current: dict) -> None:
+    def refused_then_shrunk_past(step: Step, current: dict) -> None:
         url = cluster.url
         if step.kind == "kill":
             assert current["phase"] == "serving_degraded", current
@@ -68,7 +68,7 @@ def test_a_killed_joiner_below_a_live_one_is_shrunk_past(tiny_model: Path) -> No
                 ["safe_to_terminate", "safe_to_terminate"], current
 
     with LocalCluster(spec) as cluster:
-        run_plan(cluster, steps, after_step=stranded_then_shrunk)
+        run_plan(cluster, steps, after_step=refused_then_shrunk_past)
         events = sse_events(cluster.url)
         shrink = [e["type"] for e in events if e.get("operation_id") == "plan-4-shrink"]
         assert shrink == ["scale_requested", "scale_committed", "safe_to_terminate"], events

@@ -227,7 +227,7 @@ def test_a_refused_removal_changes_nothing() -> None:
     assert status.effective_ep_size == 3 and status.ranks[2].state.value == "failed"
 
 
-def test_a_scale_down_past_a_stranded_joiner_drains_the_live_ones_and_awaits_only_them(
+def test_a_scale_down_past_a_failed_joiner_below_a_live_one_drains_the_live_ones_only(
 ) -> None:
     """Launched at 2, grown to 4; joiner 2 failed below the live joiner 3. The scale-down to
     2 drains shard 3 while shard 2 counts as dead from the start: neither the request nor the
