@@ -141,14 +141,20 @@ def test_a_replacement_reloads_its_experts_only_when_its_slots_changed(
         replica_loading.reload_moved_experts(runner, 1, [[0, 1, 3, 2]])
 
 
-def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def taking_on(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """``take_on_serving_size``'s surroundings: each local step it takes is appended to
+    ``done``; ``parallel`` holds the process's launch arguments, ``metadata`` its expert map."""
     from sglang.srt import runtime_context
     from sglang.srt.elastic_ep import elastic_ep
 
-    done: list[object] = []
-    monkeypatch.setattr(runtime_context, "get_parallel",
-                        lambda: SimpleNamespace(elastic_ep_initial_size=2, tp_size=2))
+    seen = SimpleNamespace(done=[], parallel=SimpleNamespace(elastic_ep_initial_size=2,
+                                                             tp_size=2),
+                           metadata=SimpleNamespace(num_physical_experts=32,
+                                                    physical_to_logical_map=torch.zeros(
+                                                        (2, 32), dtype=torch.int64)))
+    done = seen.done
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: seen.parallel)
     monkeypatch.setattr(runtime_context, "get_context", lambda: SimpleNamespace(
         override=lambda name, **kw: done.append(("override", kw["ep_size"]))))
     monkeypatch.setattr(elastic_ep, "update_dp_attention_for_elastic_ep",
@@ -161,10 +167,14 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
                         lambda ranks: done.append(("activated", list(ranks))))
     monkeypatch.setattr(launch_recovery, "mark_ranks_drained",
                         lambda ranks: done.append(("drained", list(ranks))))
-    metadata = SimpleNamespace(num_physical_experts=32,
-                               physical_to_logical_map=torch.zeros((2, 32), dtype=torch.int64))
-    monkeypatch.setattr(launch_recovery, "expert_location_metadata", lambda: metadata)
+    monkeypatch.setattr(launch_recovery, "expert_location_metadata", lambda: seen.metadata)
     monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(1, {}))
+    return seen
+
+
+def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
+        taking_on: SimpleNamespace) -> None:
+    done, metadata = taking_on.done, taking_on.metadata
     # registered WORLD at the high water (3): upstream made that its size, and the launch's
     replacement = survivor([0, 1, 0, 0], effective=3, launch=3, scaled=False)
     launch_recovery.take_on_serving_size(replacement, 3)
@@ -178,8 +188,7 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
     launch_recovery.take_on_serving_size(never_scaled, 2)
     assert done == [] and never_scaled.has_scaled is False
     # launched at 3, the survivors serve on 2 after a shrink: its buffer drops released rank 2
-    monkeypatch.setattr(runtime_context, "get_parallel",
-                        lambda: SimpleNamespace(elastic_ep_initial_size=3, tp_size=3))
+    taking_on.parallel = SimpleNamespace(elastic_ep_initial_size=3, tp_size=3)
     metadata.num_physical_experts = 48
     metadata.physical_to_logical_map = torch.zeros((2, 48), dtype=torch.int64)
     after_a_shrink = survivor([0, 1, 0, 0], effective=3, launch=3, scaled=False)
@@ -190,31 +199,16 @@ def test_a_replacement_takes_on_the_survivors_size_before_the_map_is_broadcast(
 
 
 def test_a_scale_joined_slots_replacement_takes_on_the_survivors_size_from_its_own(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        taking_on: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2's replacement (a scale joiner at offset 2, which upstream starts at size 3) is
     taken back in place by survivors serving on 4 ranks: its map grows from 3 ranks' slots to
     4's, and its launch-time boundary stays the deployment's (2), not its own size."""
-    from sglang.srt import runtime_context
-    from sglang.srt.elastic_ep import elastic_ep
-
-    done: list[object] = []
-    monkeypatch.setattr(runtime_context, "get_parallel",
-                        lambda: SimpleNamespace(elastic_ep_initial_size=2, tp_size=1))
-    monkeypatch.setattr(runtime_context, "get_context", lambda: SimpleNamespace(
-        override=lambda name, **kw: done.append(("override", kw["ep_size"]))))
-    monkeypatch.setattr(elastic_ep, "update_dp_attention_for_elastic_ep",
-                        lambda **kw: done.append(("dp", kw["physical_ep_size"],
-                                                  kw["physical_ep_rank"])))
-    manager = SimpleNamespace(_on_scale=object(),
-                              on_scale=lambda old, new: done.append(("nixl", old, new)))
-    monkeypatch.setattr(launch_recovery, "state_manager", lambda: manager)
-    monkeypatch.setattr(launch_recovery, "mark_ranks_activated",
-                        lambda ranks: done.append(("activated", list(ranks))))
+    taking_on.parallel = SimpleNamespace(elastic_ep_initial_size=2, tp_size=1)
+    taking_on.metadata.num_physical_experts = 48
+    taking_on.metadata.physical_to_logical_map = torch.zeros((2, 48), dtype=torch.int64)
     monkeypatch.setattr(launch_recovery, "adopt_launch_group_size", lambda state: None)
-    metadata = SimpleNamespace(num_physical_experts=48,
-                               physical_to_logical_map=torch.zeros((2, 48), dtype=torch.int64))
-    monkeypatch.setattr(launch_recovery, "expert_location_metadata", lambda: metadata)
     monkeypatch.setattr(launch_recovery, "dist", WorldOfRanks(2, {}))
+    done, metadata = taking_on.done, taking_on.metadata
     replacement = survivor([0, 0, 1, 0], effective=3, launch=2, scaled=True)
     replacement.ep_join_rank_offset = 2
     launch_recovery.take_on_serving_size(replacement, 4)

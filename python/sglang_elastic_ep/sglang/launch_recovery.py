@@ -99,7 +99,7 @@ def launch_recovery_machine(state: Any, ranks: tuple[int, ...],
     machine = (LaunchRecoveryMachine(ranks, now) if machine is None
                else machine.following(ranks, now))
     if machine is not holder.machine:
-        joined = [r for r in ranks if r >= int(state.original_ep_size)]
+        joined = _scale_joined(state, ranks)
         logger.info("[elastic-ep] rank failure: ranks %s failed (%s); serving on without them "
                     "until their replacements are in WORLD (phase %s)", list(ranks),
                     f"scale-joined ranks {joined} below a live rank rejoin in place too"
@@ -129,8 +129,7 @@ def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
                      moe_ep_rank=runner._elastic_global_rank()):
         runner.forward_pass_id = 0
         machine.rejoined(time.monotonic())
-        replacement_notices.withdraw_in_place(r for r in ranks
-                                              if r >= int(state.original_ep_size))
+        replacement_notices.withdraw_in_place(_scale_joined(state, ranks))
         logger.info("[elastic-ep] %s %s rejoined: serving on %d ranks again "
                     "(phase %s)", what, list(ranks), state.effective_ep_size, machine.phase.value)
     else:  # every survivor saw them registered on the agreed pass: Mooncake went back on it
@@ -140,9 +139,13 @@ def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
                      machine.phase.value)
 
 
+def _scale_joined(state: Any, ranks: tuple[int, ...]) -> list[int]:
+    """The ranks among ``ranks`` outside the launch-time groups (they joined by scale-up)."""
+    return [r for r in ranks if r >= int(state.original_ep_size)]
+
+
 def _which(state: Any, ranks: tuple[int, ...]) -> str:
-    return ("launch-time ranks" if all(r < int(state.original_ep_size) for r in ranks)
-            else "ranks")
+    return "ranks" if _scale_joined(state, ranks) else "launch-time ranks"
 
 
 # --------------------------------------------------------------------- the replacement's side

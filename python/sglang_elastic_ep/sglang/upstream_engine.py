@@ -31,7 +31,6 @@ SCHEDULER_ANSWER_TIMEOUT_S = 60.0  # every live scheduler answers a scale reques
 UPSTREAM_PHASES = {p.value: p for p in Phase}
 
 
-
 def phase_of(state: dict[str, Any]) -> Phase | None:
     """The operation phase of the schedulers' ``scale_phase`` in the tokenizer's state."""
     return UPSTREAM_PHASES.get(str(state.get("scale_phase")))

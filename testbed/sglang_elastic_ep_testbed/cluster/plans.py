@@ -311,18 +311,21 @@ class PlanRunner:
         if holes:
             self._wait_succeeded(refill, f"the refill of {holes}")
 
+    def _relaunch(self, rank: int, nodes: Sequence[int]) -> ServerProcess:
+        """Start ``rank``'s replacement: its node's server, or a joiner in recover mode."""
+        if rank in nodes:
+            server = self.cluster.start_node(rank, recover=True)
+            if self.on_relaunch is not None:
+                self.on_relaunch(self, rank, server)
+            return server
+        server = self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
+        return server
+
     def _relaunch_highest_first(self, step: Step, nodes: Sequence[int]) -> None:
         order = sorted(step.ranks, key=lambda r: (r in nodes, -r))
         for rank in order:
-            if rank in nodes:
-                server = self.cluster.start_node(rank, recover=True)
-                if self.on_relaunch is not None:
-                    self.on_relaunch(self, rank, server)
-            else:
-                server = self.joiners[rank] = self.cluster.start_joiner("recover",
-                                                                        rank_offset=rank)
+            log = self._relaunch(rank, nodes).log_path
             if rank != order[-1]:
-                log = server.log_path
                 wait_until(lambda log=log: any(line in log.read_text(errors="replace")
                                                for line in WAITING_FOR_THE_SURVIVORS) or None,
                            CHANGE_S, f"rank {rank}'s replacement waiting for the survivors")
@@ -334,14 +337,12 @@ class PlanRunner:
         # every replacement is in WORLD. Then the joiners, one at a time, from the lowest:
         # a let-go tail of several comes back one rank at a time.
         for rank in nodes:
-            server = self.cluster.start_node(rank, recover=True)
-            if self.on_relaunch is not None:
-                self.on_relaunch(self, rank, server)
+            self._relaunch(rank, nodes)
         for rank in nodes:
             self._wait_state(rank, "active", CHANGE_S)
         for rank in step.ranks:
             if rank not in nodes:
-                self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
+                self._relaunch(rank, nodes)
                 self._wait_state(rank, "active", CHANGE_S)
 
     def _grow(self, step: Step) -> None:
