@@ -10,6 +10,11 @@ survivors' size. Plan
 (``[[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 2, 3], [0, -1, -2, 3],
 [0, 1, 2, 3]]``): rank 2 alone, then node 1 and rank 2 together, rank 2's relaunch first.
 
+Or it is removed where it is, live (drained first) or failed, and its relaunch refills the
+hole (``remove_a_joiner_below_a_live_one_then_refill_it.json``, ``[[0, 1], [0, 1, 2],
+[0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 3], [0, 1, -3], [0, 1, 2, 3]]``);
+the last kill leaves the hole with no live rank above, so the failed tail takes it in.
+
 The other way out is a scale-down past it: ``new_ep_size`` 2 removes the dead rank 2 together
 with rank 3, which drains first; a later scale-up refills the slots
 (``kill_a_joiner_below_a_live_one_then_shrink_past_it.json``). And when the live joiner above
@@ -35,14 +40,15 @@ PLANS = Path(__file__).parents[1] / "plans"
 PLAN = PLANS / "kill_a_joiner_below_a_live_one_then_shrink_past_it.json"
 IN_PLACE_PLAN = PLANS / "kill_a_joiner_below_a_live_one_and_relaunch_it_in_place.json"
 MIXED_PLAN = PLANS / "kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json"
+REMOVAL_PLAN = PLANS / "remove_a_joiner_below_a_live_one_then_refill_it.json"
 
 
 @pytest.mark.long
 @pytest.mark.timeout(2700)
 def test_a_killed_joiner_below_a_live_one_is_shrunk_past(tiny_model: Path) -> None:
     """Every step of the plan is checked by the runner (sets, serving shards, lost requests,
-    outputs); at the kill, the refusals of what cannot work name the relaunch and the shrink
-    past rank 2."""
+    outputs); at the kill, the refusal of a size that cannot work names the three ways that
+    do: the relaunch, the shrink past rank 2 and its removal where it is."""
     steps = load_plan(PLAN)
     spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics"])
     assert spec.nodes == 1  # the launch ranks share one server; each joiner has its own
@@ -52,13 +58,10 @@ def test_a_killed_joiner_below_a_live_one_is_shrunk_past(tiny_model: Path) -> No
         if step.kind == "kill":
             assert current["phase"] == "serving_degraded", current
             assert current["ranks"][2]["state"] == "failed", current
-            remove = httpx.post(url + "/scale_elastic_ep", json={"remove_ranks": [2]},
-                                timeout=60)
-            assert remove.status_code == 422, remove.text
-            assert "scale down to 2 instead" in remove.json()["message"], remove.text
             short = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3}, timeout=60)
             assert short.status_code == 409, short.text  # not past rank 2
-            for way in ("scale down to 2 instead", "they rejoin in place"):
+            for way in ("scale down to 2 instead", "they rejoin in place",
+                        'remove them where they are: {"remove_ranks": [2]}'):
                 assert way in short.json()["message"], short.text
             after = httpx.get(url + "/elastic_ep/status", timeout=30).json()
             assert after["effective_ep_size"] == 4 and after["current_operation"] is None, after
@@ -138,3 +141,42 @@ def test_a_killed_joiner_below_a_live_one_rejoins_in_place(tiny_model: Path) -> 
         events = sse_events(cluster.url)
         recovered = [e["ranks"] for e in events if e["type"] == "rank_recovered"]
         assert [2] in recovered or any(2 in r for r in recovered), events
+
+
+@pytest.mark.long
+@pytest.mark.timeout(3600)
+def test_a_joiner_below_a_live_one_is_removed_where_it_is_and_its_relaunch_refills_it(
+        tiny_model: Path) -> None:
+    """Rank 2 removed live (its shard drains, its server exits 0) and refilled by its
+    relaunch, which rejoins in place; then killed, removed failed, and rank 3 killed too: the
+    hole joins the failed tail, and the tail's relaunches bring the cluster back to four. The
+    runner checks every step (sets, serving shards, lost requests, outputs)."""
+    steps = load_plan(REMOVAL_PLAN)
+    spec = plan_spec(tiny_model, steps)
+    rejoined: list[str] = []
+
+    def holes_then_tail(step: Step, current: dict) -> None:
+        url = cluster.url
+        if step.kind == "remove":
+            assert current["effective_ep_size"] == 3, current
+            assert current["ranks"][2]["state"] == "safe_to_terminate", current
+            refused = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 2}, timeout=60)
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["reason"] == "removed_ranks_present", refused.text
+        elif step.index == 4:  # the replacement that refilled the hole: the newest one
+            logs = sorted(spec.log_dir.glob("joiner-recover-r2-*.log"),
+                          key=lambda path: path.stat().st_mtime)
+            rejoined.append(logs[-1].read_text(errors="replace"))
+
+    with LocalCluster(spec) as cluster:
+        run_plan(cluster, steps, after_step=holes_then_tail)
+        survivor_log = cluster.primary.log_path.read_text(errors="replace")
+        assert "ranks [2] removed where they were" in survivor_log
+        assert "ranks [2] rejoined: serving on 4 ranks again" in survivor_log
+        assert rejoined and "rank 2 rejoins at the size the survivors serve on: 4 ranks" \
+            in rejoined[0]
+        assert "registered its cohort" not in rejoined[0]
+        events = sse_events(cluster.url)
+        taken_in = [e for e in events if e["type"] == "rank_failed" and e.get("ranks") == [2]
+                    and "relaunch them all" in e.get("reason", "")]
+        assert taken_in, events

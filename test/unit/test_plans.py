@@ -79,6 +79,21 @@ def test_a_failed_launch_rank_below_a_serving_rank_is_removed_then_refilled() ->
     ]
 
 
+def test_a_joiner_below_a_serving_rank_is_removed_then_refilled_and_a_tail_takes_its_hole_in(
+) -> None:
+    steps = steps_of([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3], [0, 1, -2, 3],
+                      [0, 1, 3], [0, 1, -3], [0, 1, 2, 3]])
+    assert [(s.kind, list(s.ranks), list(s.active), list(s.failed), list(s.holes))
+            for s in steps[3:]] == [
+        ("remove", [2], [0, 1, 3], [], [2]),
+        ("recover", [2], [0, 1, 2, 3], [], []),
+        ("kill", [2], [0, 1, 3], [2], []),
+        ("remove", [2], [0, 1, 3], [], [2]),
+        ("kill", [3], [0, 1], [2, 3], []),  # one failed tail with the hole below
+        ("recover", [2, 3], [0, 1, 2, 3], [], []),
+    ]
+
+
 def test_a_plan_killing_a_launch_rank_gets_one_node_per_rank(tmp_path: Path) -> None:
     assert plan_spec(tmp_path, steps_of([[0, 1], [0, -1], [0, 1]])).nodes == 2
     assert plan_spec(tmp_path, steps_of([[0, 1], [0, 1, 2], [0, 1]])).nodes == 1
@@ -145,7 +160,11 @@ def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
     ([[0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0]], "[1] are failed or removed"),
     ([[0, 1], [0, 1, 3]], "next free slots"),
     ([[0, 1, 2], [0, 2]], None),  # a live launch-time rank removed where it is
-    ([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 3]], "only launch-time ranks are removed below"),
+    ([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 3]], None),  # a live joiner removed in place
+    ([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 2]], "remove the tail first"),
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 3]], "launch slots a joiner refilled"),
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 3]],
+     "launch slots a joiner refilled"),
     ([[0, 1, 2], [0, 2], [0]], "[1] are failed or removed"),
     ([[0, 1], [0]], "two ranks"),
 ])

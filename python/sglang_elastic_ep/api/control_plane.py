@@ -557,15 +557,31 @@ class InProcessControlPlane:
         """Ranks in ``[0, effective)`` died or were isolated; they stay failed until recovered."""
         failed = sorted(set(ranks))
         with self._lock:
-            self._membership = replace(
-                self._membership, failed=self._membership.failed | frozenset(failed)
-            )
+            m = replace(self._membership, failed=self._membership.failed | frozenset(failed))
+            launch = self._topology.launch_size or m.effective_size
+            tail = m.failed_tail(launch)
+            taken_in = frozenset() if tail is None else m.removed & frozenset(tail.ranks)
+            if taken_in:  # awaited again: no longer holes, nor safe to delete
+                m = replace(m, failed=m.failed | taken_in, removed=m.removed - taken_in,
+                            safe_to_terminate=m.safe_to_terminate - taken_in)
+                self._health.set_ranks(m.managed_ranks())
+            self._membership = m
             if self._recovery_phase in (None, Phase.SERVING_RECOVERED):
                 # Until the engine says more precisely (isolating_fault, rejoining, ...).
                 self._recovery_phase = Phase.SERVING_DEGRADED
         self._events.emit(
             RankFailedEvent, operation_id=operation_id, ranks=failed, reason=reason
         )
+        if taken_in:
+            assert tail is not None
+            self._events.emit(
+                RankFailedEvent, operation_id=operation_id, ranks=sorted(taken_in),
+                reason=(f"removed where they were, and every rank above them has failed: the "
+                        f"survivors let ranks {tail.first}..{tail.effective_size - 1} go as "
+                        "one failed tail; relaunch them all with --elastic-ep-join-mode "
+                        f"recover from --elastic-ep-join-rank-offset {tail.first}"
+                        + ("" if m.removed else f", or scale down to {tail.first}")),
+            )
         self.refresh_metrics()
 
     def observe_rank_liveness(self, down: Iterable[int], reason: str) -> None:

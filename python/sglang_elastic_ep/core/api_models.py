@@ -75,10 +75,11 @@ class ScaleRequest(_Strict):
     remove_ranks: list[int] | None = Field(
         default=None,
         description="The ranks to remove (the RFC's rank-explicit form), instead of a size. "
-        "Live ranks leave from the tail: the set must be the highest ranks of the current size "
-        "(e.g. [2, 3] of 4 ranks, the same as new_ep_size 2). Failed launch-time ranks may be "
-        "removed anywhere: their slots become holes, refilled by relaunching them with "
-        "--elastic-ep-join-mode recover.",
+        "The highest ranks of the current size are the tail (e.g. [2, 3] of 4 ranks, the same "
+        "as new_ep_size 2). Any other set is removed where it is: launch-time ranks anywhere, "
+        "ranks that joined by scale-up below a live rank that stays; failed ones at once, live "
+        "ones after their shards drain. Their slots become holes, refilled by relaunching them "
+        "with --elastic-ep-join-mode recover.",
     )
     operation_id: str | None = Field(
         default=None,

@@ -387,8 +387,9 @@ class ElasticController:
             self._policy.decide(self._sample(status, now, busy=True))
             holds.append(Hold(
                 f"rank(s) {_ranks(holes)} were removed where they were and leave holes; "
-                "relaunch their node with --ep-join-mode recover to refill them (scaling "
-                "waits until then)", {"holes": holes},
+                "relaunch them with --ep-join-mode recover to refill them (a launch-time "
+                "rank's node, a scale-joined rank's joiner at its offset; scaling waits "
+                "until then)", {"holes": holes},
             ))
             return Decision(tuple(actions), tuple(holds))
 

@@ -67,6 +67,16 @@ class Membership:
         """The EP size an orchestrator reads: the managed slots, holes not counted."""
         return len(self.managed_ranks())
 
+    def failed_tail(self, launch_size: int) -> FailedTail | None:
+        """The failed tail of scale-joined ranks as the survivors see it: holes count as down.
+
+        A scale-joined rank is removed where it is only below a live rank. Should every rank
+        above it fail later, the survivors find one failed tail from it to the top, let all of
+        it go and re-admit replacements from its lowest slot: the hole is awaited again."""
+        mask = [0 if r in self.failed or r in self.removed else 1
+                for r in range(self.effective_size)]
+        return failed_tail(mask, self.effective_size, launch_size)
+
 
 def is_recovery_join(rank_ids: Iterable[int], ever_active: Iterable[int]) -> bool:
     """The RFC's contract ("Distinguishing scale from recovery"): a join is a recovery when

@@ -4,13 +4,13 @@ Decisions:
 - Target equal to the current size is a no-op answered with 200 (absolute targets are
   idempotent: an orchestrator that retries after success must not see an error).
 - Ranks join and leave at the tail: scale-up adds [current, target), scale-down removes
-  [target, current). A rank-explicit removal (``remove_ranks``) may also name launch-time
-  ranks anywhere: their slots become holes, which a relaunch with
-  ``--elastic-ep-join-mode recover`` refills (a scale-up adds the holes first). Failed ones
-  serve nothing already, so nothing runs; live ones drain first and leave on an agreed pass
-  (no expert moves: the schedulers refuse a set whose experts have no replica elsewhere).
-  While a hole is open, no other size change is accepted: the tail arithmetic of sizes would
-  not say which slots change.
+  [target, current). A rank-explicit removal (``remove_ranks``) may also name ranks below the
+  tail: launch-time ranks anywhere, scale-joined ones below a live rank that stays. Their
+  slots become holes, which a relaunch with ``--elastic-ep-join-mode recover`` refills (a
+  scale-up adds the holes first). Failed ones serve nothing already, so nothing runs; live
+  ones drain first and leave on an agreed pass (no expert moves: the schedulers refuse a set
+  whose experts have no replica elsewhere). While a hole is open, no other size change is
+  accepted: the tail arithmetic of sizes would not say which slots change.
 - A size must be a whole number of attention replicas (upstream Scheduler rule:
   ``new_ep_size % (attn_tp_size * attn_cp_size) == 0``).
 - While a rank inside the current size has failed, scale-up is refused (409), and the only
@@ -97,12 +97,13 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
                     attn_replica_size: int = 1, min_size: int = 1, ranks_per_node: int = 1,
                     hints: bool = True) -> int | ScaleVerdict:
     """``remove_ranks`` as the size it leaves (the tail of ``current_size``), or as an
-    accepted removal of launch-time ranks below the tail (``leaves_holes``), or why it
-    cannot be done. A removed launch-time rank leaves a hole that a relaunch with
-    ``--elastic-ep-join-mode recover`` refills later (any launch-time rank can rejoin in
-    place); a scale-joined rank has no such way back and leaves from the tail only.
-    Launch-time ranks are those below ``launch_size`` that no scale joiner holds now
-    (``joined``: a launch-time slot a shrink released and a scale-up refilled). Failed ranks
+    accepted removal of ranks below the tail (``leaves_holes``), or why it cannot be done.
+    A removed rank leaves a hole that a relaunch with ``--elastic-ep-join-mode recover``
+    refills later: every launch-time rank rejoins in place, and so does a scale-joined one
+    (at or above ``launch_size``) with a live rank above it. A scale-joined rank with no live
+    rank above it that stays is a tail the survivors would let go, not a hole: it leaves
+    from the tail only. So does a launch-time slot that a shrink released and a scale-up
+    refilled (``joined`` below ``launch_size``): its joiner has no in-place rejoin. Failed ranks
     are removed together (nothing runs); live ones only while no rank has failed and no hole
     is open (``removed``), so the drain and the agreed release start from one known set.
     ``min_size`` (``ScaleTopology.min_ep_size``): a refusal offers the tail only down to it.
@@ -155,7 +156,6 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     if named == tail:
         return current_size - len(named)
     launch = current_size if launch_size is None else launch_size
-    joiners = frozenset(joined) | frozenset(range(launch, current_size))
 
     def offered(candidate: Iterable[int]) -> bool:
         """Whether a refusal may offer removing ``candidate`` instead: it is accepted."""
@@ -191,21 +191,20 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
             f"while every rank serves: relaunch the failed ones with --elastic-ep-join-mode "
             f"recover{failed_hint}, then retry",
         )
-    scale_joined = [r for r in named if r in joiners]
-    if scale_joined:
+    staying = [r for r in range(current_size)
+               if r not in named and r not in down and r not in holes_open]
+    refilled = [r for r in named if r in joined and r < launch]
+    no_live_above = [r for r in named if r >= launch and r > max(staying, default=-1)]
+    if refilled or no_live_above:
         rest = sorted(set(range(current_size)) - set(named))
-        below = named[0] // attn_replica_size * attn_replica_size
-        hosts = ""
-        if (len(scale_joined) == len(named) and not down and not holes_open
-                and _size_accepted(below, min_size, attn_replica_size)):
-            hosts = (f"; or, to take their hosts out, scale down to {below} (new_ep_size "
-                     f"{below}: ranks {_ranks(range(below, current_size))} drain and leave), "
-                     "then scale up again with joiners elsewhere")
+        why = (f"ranks {_ranks(refilled)} are launch-time slots that a scale joiner refilled "
+               "after a shrink, which leave from the tail only" if refilled else
+               f"ranks {_ranks(no_live_above)} joined by scale-up and have no live rank above "
+               "them that stays, so they leave from the tail only")
         return _refuse(
             HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
             f"removing {_ranks(named)} would leave the active ranks {_ranks(rest)} with a "
-            f"hole, and ranks {_ranks(scale_joined)} joined by scale-up, which leave from the "
-            f"tail only; {instead}{hosts}",
+            f"hole, and {why}; {instead}",
         )
     split = sorted({r // attn_replica_size for r in named
                     if any(p not in named for p in _replica(r, attn_replica_size))})
@@ -225,38 +224,45 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
             f"{attn_replica_size} ranks; name whole replicas"
             + (f', e.g. {{"remove_ranks": {_ranks(whole)}}}' if offered(whole) else ""),
         )
-    nodes = sorted({r // ranks_per_node for r in live})
-    if live and nodes[0] == 0:
+    # A live launch-time rank leaves with its node; a scale joiner's server may keep ranks
+    # (the released scheduler alone exits), and its replacement starts at any offset.
+    live_launch = [r for r in live if r < launch]
+    nodes = sorted({r // ranks_per_node for r in live_launch})
+    if live_launch and nodes[0] == 0:
         return _refuse(
             HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.RANK_ZERO,
-            f"ranks {_ranks(r for r in live if r < ranks_per_node)} run in node 0's server "
+            f"ranks {_ranks(r for r in live_launch if r < ranks_per_node)} run in node 0's server "
             "with rank 0, which hosts the HTTP server and stays: a live rank leaves with its "
             f"whole node; {instead}",
         )
     partial = sorted({p for n in nodes for p in range(n * ranks_per_node,
                                                          (n + 1) * ranks_per_node)} - set(named))
-    if live and partial:
+    if live_launch and partial:
         whole = sorted(set(named) | set(partial))
         return _refuse(
             HTTPStatus.BAD_REQUEST, RejectionReason.INCOMPLETE_NODE,
-            f"a live rank leaves with every rank of its node ({ranks_per_node} per node), and "
-            f"ranks {_ranks(partial)} share a node with {_ranks(live)}; name whole nodes"
+            f"a live launch-time rank leaves with every rank of its node ({ranks_per_node} per "
+            f"node), and ranks {_ranks(partial)} share a node with {_ranks(live_launch)}; name "
+            "whole nodes"
             + (f', e.g. {{"remove_ranks": {_ranks(whole)}}}' if offered(whole) else ""),
         )
+    joiners = [r for r in named if r >= launch]
+    relaunch = ("relaunch them with --elastic-ep-join-mode recover to refill their slots"
+                + (f" (ranks {_ranks(joiners)} as joiners at their own "
+                   "--elastic-ep-join-rank-offset)" if joiners else ""))
     if live:
         return ScaleVerdict(
             ok=True, status=int(HTTPStatus.OK), direction=ScaleDirection.DOWN,
             leaving_ranks=tuple(named), leaves_holes=True,
             message=(f"Removing ranks {_ranks(named)} where they are: their shards drain, then "
                      f"they leave and the cluster serves on {current_size - len(named)} ranks; "
-                     "relaunch them with --elastic-ep-join-mode recover to refill their slots"),
+                     f"{relaunch}"),
         )
     return ScaleVerdict(
         ok=True, status=int(HTTPStatus.OK), direction=ScaleDirection.DOWN,
         leaving_ranks=tuple(named), leaves_holes=True,
         message=(f"Removed failed ranks {_ranks(named)}: serving on "
-                 f"{current_size - len(named)} ranks; relaunch them with "
-                 "--elastic-ep-join-mode recover to refill their slots"),
+                 f"{current_size - len(named)} ranks; {relaunch}"),
     )
 
 
@@ -431,7 +437,8 @@ def _judge(
             RejectionReason.FAILED_RANKS_PRESENT,
             f"rank(s) {_ranks(failed)} failed; recover them first (relaunch them with "
             f"--elastic-ep-join-mode recover: they rejoin in place), or scale down to {past} "
-            f"first (it {_past_failed_joiners(past, failed, current_size)}), then scale up",
+            f"first (it {_past_failed_joiners(past, failed, current_size)})"
+            f"{_hole_removal_hint(failed, current_size, topology, joined)}, then scale up",
         )
     if failed and target > current_size:
         remove_hint = (
@@ -453,7 +460,8 @@ def _judge(
             f"rank(s) {_ranks(failed)} failed; a scale-down must remove them too, and ranks "
             f"leave from the tail: scale down to {past} instead (it "
             f"{_past_failed_joiners(past, failed, current_size)}), or relaunch them with "
-            "--elastic-ep-join-mode recover (they rejoin in place)",
+            "--elastic-ep-join-mode recover (they rejoin in place)"
+            f"{_hole_removal_hint(failed, current_size, topology, joined)}",
         )
     if failed and past is None and removable != failed:
         holes = _hole_removal_hint(failed, current_size, topology, joined)

@@ -1,16 +1,19 @@
-"""Removing live launch-time ranks below the tail: their slots become holes.
+"""Removing live ranks below the tail: their slots become holes.
 
 ``{"remove_ranks": [1]}`` of ``[0, 1, 2]`` with rank 1 serving. The cluster already serves
 around a failed launch-time rank (it is inactive in every mask, the dispatch skips its slots,
 and a relaunch with ``--ep-join-mode recover`` is taken back in place on an agreed pass by
-``launch_recovery``, as after a scale). A live removal brings rank 1 into that
-state on one agreed pass instead of by a crash, after the HTTP process drained its shard as for
-a scale-down (``scale_down`` drives the drain and the machine; this module holds the checks and
-the release). The HTTP process has checked the set (whole launch nodes other than node 0,
-whole attention replicas) before sending it, so every scheduler answers the same request:
+``launch_recovery``, as after a scale); so it does around a failed scale-joined rank below a
+live one. A live removal brings rank 1 into that state on one agreed pass instead of by a
+crash, after the HTTP process drained its shard as for a scale-down (``scale_down`` drives the
+drain and the machine; this module holds the checks and the release). The HTTP process has
+checked the set (whole launch nodes other than node 0, scale-joined ranks only below a live
+one that stays, whole attention replicas) before sending it, so every scheduler answers the
+same request:
 
-- every rank marks the removed ranks inactive in WORLD's mask and in each launch-time group's,
-  and Mooncake deactivates them in each of those groups, as its fault detection would have;
+- every rank marks the removed ranks inactive in WORLD's mask and in each launch-time group's
+  that holds them (a scale-joined rank is in none), and Mooncake deactivates them in each of
+  those groups, as its fault detection would have;
 - no expert moves and the map keeps the removed ranks' slots (skipped while inactive): the
   request is refused unless the staying ranks hold every expert;
 - the NIXL data plane keeps its connection to them, as to a crashed rank: the take-back of a
@@ -51,12 +54,14 @@ def removal_refusal(state: Any, ranks: Sequence[int]) -> str | None:
                 "(GET /elastic_ep/status), then retry")
     size = int(state.effective_ep_size)
     launch = int(state.original_ep_size)
-    outside = [r for r in ranks if not 0 < r < min(size, launch)]
-    if outside:
-        return (f"ranks {outside} are not launch-time ranks above 0 of the {launch} still in "
-                f"place (EP size {size}): remove scale-joined ranks from the tail "
-                "(new_ep_size) instead")
     mask = live_mask(state)
+    # A scale-joined rank with no live rank above it would be a tail to let go, not a hole.
+    top_staying = max((r for r in range(size) if r not in ranks and mask[r]), default=0)
+    outside = [r for r in ranks if not 0 < r < size or (r >= launch and r > top_staying)]
+    if outside:
+        return (f"ranks {outside} are neither launch-time ranks above 0 nor scale-joined "
+                f"ranks below a live one that stays (EP size {size}): remove them from the "
+                "tail (new_ep_size) instead")
     failed = [r for r in range(size) if not mask[r]]
     if failed:
         return (f"ranks {failed} have failed: relaunch them with --ep-join-mode recover, or "

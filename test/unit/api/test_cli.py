@@ -89,10 +89,11 @@ def test_scale_remove_names_the_ranks_and_a_hole_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with serving(AutoEngine(), initial=4, launch_size=2) as srv:
-        code = run("scale", "--url", srv.url, "--remove", "2")  # a joiner below the tail
+        # The top joiner with a rank below: a tail let go, and a hole, in one request.
+        code = run("scale", "--url", srv.url, "--remove", "1", "3")
         out = capsys.readouterr().out
         assert code == EXIT_USAGE, out
-        assert '{"remove_ranks": [3]}' in out
+        assert '{"remove_ranks": [2, 3]}' in out
         code = run("scale", "--url", srv.url, "--remove", "3", "2", "--wait",
                    "--poll-interval", "0.02")
         out = capsys.readouterr().out

@@ -34,7 +34,6 @@ def test_removing_the_tail_is_a_scale_down_and_a_retry_replays(four_ranks) -> No
 
 
 @pytest.mark.parametrize(("ranks", "status", "reason", "hint"), [
-    ([2], 422, "not_the_tail", '{"remove_ranks": [3]}'),
     ([1, 3], 422, "not_the_tail", '{"remove_ranks": [2, 3]}'),
     ([0], 422, "rank_zero", '{"remove_ranks": [3]}'),
     ([0, 1, 2, 3], 422, "rank_zero", "shut the server down"),
@@ -118,14 +117,62 @@ def test_a_failed_launch_rank_below_the_tail_is_removed_then_its_relaunch_refill
     assert [(op.old_ep_size, op.new_ep_size) for op in engine.ops] == [(3, 2)]
 
 
+def _reasons_for(plane: object, ranks: list[int]) -> list[str]:
+    return [e.reason for e in plane.events.since(0).events
+            if e.type == "rank_failed" and e.ranks == ranks]
+
+
+@pytest.mark.parametrize("then", ["shrink", "relaunch"])
+def test_a_joiner_hole_the_failed_tail_above_takes_in_is_awaited_again(then: str) -> None:
+    """Ranks [0, 1] grown to 4; failed joiner 2 removed where it is, then rank 3 fails too:
+    the survivors let 2..3 go as one failed tail, so the hole is a failed rank again, and
+    both ways out of a failed tail work."""
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=4, launch_size=2)
+    client = TestClient(make_app(plane))
+    plane.observe_rank_liveness([2], reason="killed")
+    assert client.post("/scale_elastic_ep", json={"remove_ranks": [2]}).status_code == 200
+    assert _states(client) == ["active", "active", "safe_to_terminate", "active"]
+
+    plane.observe_rank_liveness([2, 3], reason="killed")
+    assert _states(client) == ["active", "active", "failed", "failed"]
+    status = client.get("/elastic_ep/status").json()
+    assert status["effective_ep_size"] == 4, status
+    reason = _reasons_for(plane, [2])[-1]
+    assert "relaunch them all with --elastic-ep-join-mode recover from " \
+        "--elastic-ep-join-rank-offset 2, or scale down to 2" in reason, reason
+    assert [r["rank"] for r in client.get("/elastic_ep/health").json()["ranks"]] == [0, 1, 2, 3]
+    if then == "shrink":
+        answer = client.post("/scale_elastic_ep", json={"new_ep_size": 2, "operation_id": "dn"})
+        assert answer.status_code == 200, answer.text
+        assert [(op.old_ep_size, op.new_ep_size) for op in engine.ops] == [(4, 2)]
+        plane.finish_operation("dn")
+        assert client.get("/elastic_ep/status").json()["effective_ep_size"] == 2
+    else:
+        plane.observe_rank_liveness([], reason="")  # the tail's replacements are back
+        assert _states(client) == ["active"] * 4
+        assert engine.ops == []
+
+
+def test_a_launch_time_hole_is_never_part_of_a_failed_tail() -> None:
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=3, launch_size=2)
+    client = TestClient(make_app(plane))
+    plane.observe_rank_liveness([1], reason="killed")
+    assert client.post("/scale_elastic_ep", json={"remove_ranks": [1]}).status_code == 200
+    plane.observe_rank_liveness([1, 2], reason="killed")
+    assert _states(client) == ["active", "safe_to_terminate", "failed", "inactive"]
+    assert _reasons_for(plane, [1]) == ["killed"]
+
+
 @pytest.mark.parametrize(("launch", "failed", "ranks", "status", "reason", "fragment"), [
-    (2, [2], [2], 422, "not_the_tail", "ranks [2] joined by scale-up"),
+    (2, [2, 3], [2], 422, "not_the_tail", "ranks [2] joined by scale-up and have no live"),
     (4, [1], [1, 2], 409, "failed_ranks_present",
      'relaunch the failed ones with --elastic-ep-join-mode recover or remove them '
      '({"remove_ranks": [1]})'),
     (4, [3], [1], 409, "failed_ranks_present", "ranks [3] have failed, and live ranks [1]"),
 ])
-def test_only_launch_ranks_leave_holes_and_live_ones_only_while_all_serve(
+def test_a_joiner_leaves_a_hole_only_below_a_live_one_and_live_ones_only_while_all_serve(
         launch: int, failed: list[int], ranks: list[int], status: int, reason: str,
         fragment: str) -> None:
     engine = FakeEngine()
@@ -285,7 +332,8 @@ def test_a_refill_whose_relaunch_never_serves_fails_at_its_timeout_and_the_hole_
 
 def test_a_launch_slot_refilled_by_a_joiner_is_no_launch_time_rank() -> None:
     """Launched at 4, shrunk to 2 and grown back to 4 with joiners: slots 2 and 3 are scale
-    joiners' now, so a failed rank 2 cannot become a hole (it has no in-place rejoin)."""
+    joiners' now, so a failed rank 2 cannot become a hole (its joiner has no in-place
+    rejoin)."""
     engine = FakeEngine()
     plane = make_plane(engine=engine, initial=4, launch_size=4, max_ep_size=4)
     client = TestClient(make_app(plane))
@@ -296,7 +344,8 @@ def test_a_launch_slot_refilled_by_a_joiner_is_no_launch_time_rank() -> None:
     plane.observe_rank_liveness([1, 2], reason="killed")
     refused = client.post("/scale_elastic_ep", json={"remove_ranks": [1, 2]})
     assert refused.status_code == 422, refused.text
-    assert "ranks [2] joined by scale-up" in refused.json()["message"]
+    assert "ranks [2] are launch-time slots that a scale joiner refilled" \
+        in refused.json()["message"]
     shrink = client.post("/scale_elastic_ep", json={"new_ep_size": 3})  # no removal offered
     assert shrink.json()["reason"] == "must_remove_failed_ranks", shrink.text
     assert "remove_ranks" not in shrink.json()["message"]

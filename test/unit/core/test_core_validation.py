@@ -176,22 +176,29 @@ def test_a_tail_of_failed_joiners_is_removed_exactly() -> None:
     assert not past.ok and "scale down to exactly 3" in past.message
 
 
-def test_removing_a_failed_joiner_below_a_live_one_by_rank_names_what_works() -> None:
+def test_a_failed_joiner_below_a_live_one_is_removed_where_it_is() -> None:
+    """It rejoins in place like a launch-time rank, so it may leave a hole as one does."""
     named = resolve_removal([2], 4, failed=[2], launch_size=2)
-    assert not isinstance(named, int) and named.status == 422
-    assert "scale down to 2 instead (new_ep_size 2" in named.message
-    assert "relaunch them with --elastic-ep-join-mode recover (they rejoin in place)" \
-        in named.message
+    assert not isinstance(named, int) and named.ok and named.leaves_holes, named
+    assert named.leaving_ranks == (2,)
+    assert "ranks [2] as joiners at their own --elastic-ep-join-rank-offset" in named.message
     assert resolve_removal([2, 3], 4, failed=[2], launch_size=2) == 2  # the tail: size 2
 
 
-def test_removing_a_live_joiner_below_the_tail_names_how_to_take_its_host_out() -> None:
-    """Refused (a scale-joined rank leaves from the tail only), with the two ways that work:
-    remove the tail instead, or scale down past it and grow again elsewhere."""
+def test_a_live_joiner_below_a_live_one_is_removed_where_it_is() -> None:
     named = resolve_removal([2], 4, launch_size=2)
-    assert not isinstance(named, int) and named.status == 422
-    assert '{"remove_ranks": [3]}' in named.message
-    assert "to take their hosts out, scale down to 2 (new_ep_size 2" in named.message
-    assert validate_scale(2, current_size=4, topology=GROWN_TO_4).ok
-    too_small = resolve_removal([2], 4, launch_size=2, min_size=3)
-    assert not isinstance(too_small, int) and "hosts out" not in too_small.message
+    assert not isinstance(named, int) and named.ok and named.leaves_holes, named
+    assert "their shards drain" in named.message
+
+
+@pytest.mark.parametrize(("ranks", "failed", "fragment"), [
+    ([1, 3], [], 'remove the 2 highest ranks instead ({"remove_ranks": [2, 3]}'),
+    ([2], [2, 3], "ranks [2] joined by scale-up and have no live rank above them"),
+])
+def test_a_joiner_with_no_live_rank_above_it_leaves_from_the_tail_only(
+        ranks: list[int], failed: list[int], fragment: str) -> None:
+    """With no live rank above that stays, the joiner is part of a tail the survivors let go
+    (a failed one) or the top of the size (a live one): no hole."""
+    named = resolve_removal(ranks, 4, failed=failed, launch_size=2)
+    assert not isinstance(named, int) and named.status == 422, named
+    assert named.reason is RejectionReason.NOT_THE_TAIL and fragment in named.message

@@ -13,14 +13,16 @@ ranks), ``recover`` (failed or removed ranks come back: relaunched with
 rejoins in place, all of those in one step), ``grow`` (the next free slots: one joiner each,
 then ``POST /scale_elastic_ep``), ``shrink`` (the tail: ``POST /scale_elastic_ep``; the
 released servers exit 0; a tail holding failed joiners below a live rank is shrunk past
-them), ``remove`` (launch-time ranks removed where they are, ``{"remove_ranks": [...]}``,
+them), ``remove`` (ranks below a serving one removed where they are, ``{"remove_ranks": [...]}``,
 leaving holes that a later ``recover`` refills:
 ``POST /scale_elastic_ep`` to the size with them, then their relaunches. Live ones: a set
 without them that is not a prefix; their servers exit 0. Failed ones: the same set again
-right after a kill of launch-time ranks with a serving rank above them; otherwise the same set
-again is ``stay``, and failed ranks stay failed). What the plugin does not do is refused
-before the cluster starts, with the reason: a removal of scale-joined ranks other than the
-tail, a killed rank 0 (it hosts the HTTP
+right after a kill of ranks with a serving rank above them; otherwise the same set again is
+``stay``, and failed ranks stay failed). A kill that leaves a scale joiner's hole with no
+serving rank above makes it failed again: the survivors let it go with the failed tail above.
+What the plugin does not do is refused before the cluster starts, with the reason: a removal
+of scale-joined ranks with no serving rank above them other than the tail, a killed rank 0
+(it hosts the HTTP
 server), growing while ranks are failed or removed, a failed scale-joined tail brought back
 before the launch-time ranks that failed with it.
 
@@ -124,7 +126,7 @@ def steps_of(plan: object) -> list[Step]:
     # Slots held by scale joiners: every slot a grow adds, a released launch slot too.
     joined: set[int] = set()
     for i, entry in enumerate(sets[1:], start=1):
-        step = _step(i, entry, steps[-1], frozenset(joined))
+        step = _step(i, entry, steps[-1], frozenset(joined), len(launch))
         if step.kind == "grow":
             joined.update(step.ranks)
         elif step.kind == "shrink":
@@ -133,7 +135,7 @@ def steps_of(plan: object) -> list[Step]:
     return steps
 
 
-def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
+def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int], launch: int) -> Step:
     killed = sorted(-r for r in entry if r < 0)
     active = sorted(r for r in entry if r >= 0)
     before, failed, holes = set(prev.active), set(prev.failed), set(prev.holes)
@@ -145,12 +147,23 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
         if set(active) != before - set(killed):
             raise PlanError(f"step {i}: a kill step only kills: expected the others "
                             f"{sorted(before - set(killed))} active, got {active}")
-        return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | set(killed))),
-                    prev.holes)
+        failed |= set(killed)
+        # Holes of joiners with no live rank above them any more: one failed tail with the
+        # ranks above, which the survivors let go; they are awaited again.
+        top = max(before | failed | holes)
+        while top in (failed | holes) & joined:
+            top -= 1
+        taken_in = {r for r in holes if r > top}
+        return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | taken_in)),
+                    tuple(sorted(holes - taken_in)))
     added, removed = sorted(set(active) - before), sorted(before - set(active))
+    refilled = sorted(r for r in set(removed) | failed if r in joined and r < launch)
     if (not added and not removed and prev.kind == "kill" and failed
-            and not failed & joined and max(failed) < max(active)):
-        # Failed launch-time ranks with a serving rank above them: removed where they are.
+            and max(failed) < max(active)):
+        if refilled:
+            raise PlanError(f"step {i}: ranks {refilled} are launch slots a joiner refilled, "
+                            "which are not removed where they are")
+        # Failed ranks with a serving rank above them: removed where they are.
         return Step(i, "remove", tuple(sorted(failed)), tuple(active), (),
                     tuple(sorted(holes | failed)))
     if added and removed:
@@ -194,10 +207,13 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
             raise PlanError(f"step {i}: ranks {sorted(failed | holes)} are failed or removed: "
                             "recover them first")
         if active != list(range(len(active))):
-            if any(r in joined for r in removed):
-                raise PlanError(f"step {i}: {removed} is not the tail, and only launch-time "
-                                "ranks are removed below it")
-            # Live launch-time ranks below the tail: removed where they are, leaving holes.
+            if any(r in joined and r > max(active) for r in removed):
+                raise PlanError(f"step {i}: {removed} is not the tail, and scale-joined ranks "
+                                "are removed below a serving rank only: remove the tail first")
+            if refilled:
+                raise PlanError(f"step {i}: ranks {refilled} are launch slots a joiner "
+                                "refilled, which leave from the tail only")
+            # Live ranks below a serving one: removed where they are, leaving holes.
             return Step(i, "remove", tuple(removed), tuple(active), (),
                         tuple(sorted(holes | set(removed))))
         if len(active) < 2:
