@@ -187,3 +187,14 @@ def failed_in_place(active: Sequence[int], effective_size: int,
     if failed_tail(active, effective_size, launch_size) is not None:
         return ()
     return tuple(r for r in range(effective_size) if not active[r])
+
+
+def not_removable_in_place(ranks: Iterable[int], size: int, launch_size: int,
+                           live: Iterable[int]) -> list[int]:
+    """The ranks among ``ranks`` that cannot be removed where they are (leave a hole): rank 0,
+    ranks outside ``[0, size)``, and scale-joined ranks (at or above ``launch_size``) with no
+    rank of ``live`` above them that stays. Those would be part of a failed tail that the
+    survivors let go (``failed_tail``), not a slot they await in place."""
+    named = set(ranks)
+    top = max((r for r in live if r not in named), default=-1)
+    return sorted(r for r in named if not 0 < r < size or (r >= launch_size and r > top))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from sglang_elastic_ep.core.api_models import RejectionReason
+from sglang_elastic_ep.core.membership import not_removable_in_place
 
 
 class ScaleDirection(str, enum.Enum):
@@ -191,10 +192,10 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
             f"while every rank serves: relaunch the failed ones with --elastic-ep-join-mode "
             f"recover{failed_hint}, then retry",
         )
-    staying = [r for r in range(current_size)
-               if r not in named and r not in down and r not in holes_open]
     refilled = [r for r in named if r in joined and r < launch]
-    no_live_above = [r for r in named if r >= launch and r > max(staying, default=-1)]
+    no_live_above = not_removable_in_place(
+        named, current_size, launch,
+        live=(r for r in range(current_size) if r not in down and r not in holes_open))
     if refilled or no_live_above:
         rest = sorted(set(range(current_size)) - set(named))
         why = (f"ranks {_ranks(refilled)} are launch-time slots that a scale joiner refilled "

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sglang_elastic_ep.core.membership import not_removable_in_place
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import get_logger
@@ -55,9 +56,8 @@ def removal_refusal(state: Any, ranks: Sequence[int]) -> str | None:
     size = int(state.effective_ep_size)
     launch = int(state.original_ep_size)
     mask = live_mask(state)
-    # A scale-joined rank with no live rank above it would be a tail to let go, not a hole.
-    top_staying = max((r for r in range(size) if r not in ranks and mask[r]), default=0)
-    outside = [r for r in ranks if not 0 < r < size or (r >= launch and r > top_staying)]
+    outside = not_removable_in_place(ranks, size, launch,
+                                     live=(r for r in range(size) if mask[r]))
     if outside:
         return (f"ranks {outside} are neither launch-time ranks above 0 nor scale-joined "
                 f"ranks below a live one that stays (EP size {size}): remove them from the "

@@ -1,7 +1,12 @@
 import pytest
 
 from sglang_elastic_ep.core.api_models import RankState
-from sglang_elastic_ep.core.membership import Membership, failed_in_place, failed_tail
+from sglang_elastic_ep.core.membership import (
+    Membership,
+    failed_in_place,
+    failed_tail,
+    not_removable_in_place,
+)
 
 
 def test_rank_states_cover_every_slot_up_to_max() -> None:
@@ -115,3 +120,18 @@ def test_removed_ranks_are_holes_counted_in_no_size() -> None:
     with pytest.raises(ValueError, match="both failed and removed"):
         Membership(max_size=4, effective_size=3, failed=frozenset({1}),
                    removed=frozenset({1}))
+
+
+@pytest.mark.parametrize(("ranks", "live", "launch", "expected"), [
+    ([2], [0, 1, 2, 3], 2, []),  # a joiner below a live one that stays: a hole
+    ([1], [0, 1, 2, 3], 2, []),  # a launch-time rank: anywhere
+    ([3], [0, 1, 2], 4, []),  # at the top too, failed
+    ([2], [0, 1], 2, [2]),  # failed rank 3 above: one failed tail with it
+    ([2, 3], [0, 1, 2, 3], 2, [2, 3]),  # nothing above stays
+    ([1, 3], [0, 1, 2, 3], 2, [3]),
+    ([0], [0, 1, 2, 3], 2, [0]),
+    ([4], [0, 1, 2, 3], 2, [4]),
+])
+def test_only_a_joiner_below_a_live_rank_that_stays_is_removable_in_place(
+        ranks: list[int], live: list[int], launch: int, expected: list[int]) -> None:
+    assert not_removable_in_place(ranks, 4, launch, live) == expected
