@@ -219,12 +219,63 @@ def test_a_joiner_never_admitted_exits_at_the_scale_timeout_with_the_reason(
 def test_an_admitted_joiner_or_one_without_a_timeout_is_never_ended() -> None:
     exits: list[int] = []
     with scale_up_joiner.AdmissionWatchdog(0.05, "joiner", exit_process=exits.append) as dog:
-        timer = dog._timer
-        assert timer is not None and timer.is_alive()
-    timer.join(60)  # admitted at once: the timer thread ends without firing
-    assert not timer.is_alive() and exits == []
+        watch = dog._thread
+        assert watch is not None and watch.is_alive()
+    watch.join(60)  # admitted at once: the watchdog ends without firing
+    assert not watch.is_alive() and exits == []
     with scale_up_joiner.AdmissionWatchdog(0.0, "joiner", exit_process=exits.append) as dog:
-        assert dog._timer is None  # --elastic-ep-scale-timeout 0: no limit
+        assert dog._thread is None  # --elastic-ep-scale-timeout 0: no limit
+
+
+def test_a_joiner_the_survivors_await_in_place_exits_at_once_naming_the_relaunch(
+        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Relaunched before the survivors noticed that rank 2 failed below a live rank, the
+    replacement read no notice and registered a cohort, which nobody will admit: once the
+    notice appears it exits (a fake exit that releases the wait), long before the timeout."""
+    import functools
+    import threading
+
+    from sglang_elastic_ep.sglang import replacement_notices
+
+    store = FakeStore()
+    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
+    released = threading.Event()
+    exits: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        released.set()
+
+    def join_group() -> None:
+        replacement_notices.announce_in_place([2], 4)  # the survivors, meanwhile
+        released.wait(60)
+
+    monkeypatch.setattr(scale_up_joiner, "scale_timeout_s", lambda: 600.0)
+    monkeypatch.setattr(scale_up_joiner, "AdmissionWatchdog", functools.partial(
+        scale_up_joiner.AdmissionWatchdog, exit_process=fake_exit, poll_s=0.01))
+    with caplog.at_level("ERROR"):
+        join_world(join_group)
+    assert exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
+    assert "the survivors await ranks [2] in place" in caplog.text
+    assert "relaunch this joiner with the same arguments" in caplog.text
+
+
+def test_a_joiner_whose_notices_cannot_be_read_waits_for_its_deadline(
+        caplog: pytest.LogCaptureFixture) -> None:
+    exits: list[int] = []
+
+    def unreadable() -> str | None:
+        raise ConnectionError("store gone")
+
+    with caplog.at_level("ERROR"), scale_up_joiner.AdmissionWatchdog(
+            0.2, "joiner", exit_process=exits.append, turned_away=unreadable,
+            poll_s=0.01) as dog:
+        assert dog._thread is not None
+        dog._thread.join(60)
+    assert exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
+    assert "was not admitted within --elastic-ep-scale-timeout" in caplog.text
+    assert "gives up its admission" not in caplog.text
 
 
 class FakeStore:

@@ -169,9 +169,14 @@ def _register_and_join(runner: Any) -> None:
 EXIT_NOT_ADMITTED = 3
 
 
+# How often a joiner waiting for its admission looks for the survivors' in-place notice.
+TURNED_AWAY_POLL_S = 2.0
+
+
 class AdmissionWatchdog:
     """Ends a scale joiner's process when it has waited in Mooncake's ``join_group`` longer
-    than ``timeout_s`` (``--elastic-ep-scale-timeout``) after registering its cohort.
+    than ``timeout_s`` (``--elastic-ep-scale-timeout``) after registering its cohort, or as soon
+    as ``turned_away`` (polled every ``poll_s``) gives a reason no admission will come.
 
     ``join_group`` has no timeout of its own: a joiner whose scale-up was called off (cancelled,
     timed out on the serving ranks) or whose admission Mooncake gave up on would wait there for
@@ -180,23 +185,54 @@ class AdmissionWatchdog:
     failed process instead of one that never becomes ready. ``timeout_s`` 0: no limit."""
 
     def __init__(self, timeout_s: float, who: str,
-                 exit_process: Callable[[int], None] = os._exit) -> None:
+                 exit_process: Callable[[int], None] = os._exit,
+                 turned_away: Callable[[], str | None] | None = None,
+                 poll_s: float = TURNED_AWAY_POLL_S) -> None:
         self.timeout_s = timeout_s
         self.who = who
+        self.poll_s = poll_s
         self._exit_process = exit_process
-        self._timer: threading.Timer | None = None
+        self._turned_away = turned_away
+        self._admitted = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def __enter__(self) -> AdmissionWatchdog:
-        if self.timeout_s > 0:
-            self._timer = threading.Timer(self.timeout_s, self._expire)
-            self._timer.daemon = True
-            self._timer.start()
+        if self.timeout_s > 0 or self._turned_away is not None:
+            self._thread = threading.Thread(target=self._watch, daemon=True,
+                                            name="eep-admission-watchdog")
+            self._thread.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        self._admitted.set()
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else float("inf")
+        while True:
+            left = deadline - time.monotonic()
+            step = left if self._turned_away is None else min(left, self.poll_s)
+            if self._admitted.wait(max(0.0, step)):
+                return
+            if time.monotonic() >= deadline:
+                self._expire()
+                return
+            reason = self._why_turned_away()
+            if reason is not None and not self._admitted.is_set():
+                logger.error("[elastic-ep] %s gives up its admission: %s. It exits %d",
+                             self.who, reason, EXIT_NOT_ADMITTED)
+                self._exit_process(EXIT_NOT_ADMITTED)
+                return
+
+    def _why_turned_away(self) -> str | None:
+        if self._turned_away is None:
+            return None
+        try:
+            return self._turned_away()
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: the deadline still holds
+            logger.debug("[elastic-ep] %s: could not read the survivors' notices: %s",
+                         self.who, exc)
+            return None
 
     def _expire(self) -> None:
         logger.error("[elastic-ep] %s was not admitted within --elastic-ep-scale-timeout "
@@ -205,6 +241,18 @@ class AdmissionWatchdog:
                      "exits %d; POST /scale_elastic_ep again and start a new joiner",
                      self.who, self.timeout_s, EXIT_NOT_ADMITTED)
         self._exit_process(EXIT_NOT_ADMITTED)
+
+
+def awaited_in_place(ranks: range) -> str | None:
+    """Why a registered cohort for ``ranks`` will never be admitted: the survivors await some
+    of them in place (failed below a live rank; they noticed after this joiner had read no
+    notice at start-up), else None."""
+    waiting = [r for r in ranks if replacement_notices.in_place_size(r)]
+    if not waiting:
+        return None
+    return (f"the survivors await ranks {waiting} in place (failed below a live rank) and "
+            "admit no scale cohort for them; relaunch this joiner with the same arguments: "
+            "it reads their notice at start-up and rejoins in place")
 
 
 def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -228,7 +276,8 @@ def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     logger.info("[elastic-ep] scale joiner for EP ranks %s of %d registered its cohort: waits "
                 "for the serving ranks to admit it (phase %s)", list(machine.ranks),
                 machine.new_size, machine.phase.value)
-    with AdmissionWatchdog(scale_timeout_s(), _who(machine)):
+    with AdmissionWatchdog(scale_timeout_s(), _who(machine),
+                           turned_away=lambda: awaited_in_place(machine.ranks)):
         result = run_step(machine, _who(machine), original, *args, **kwargs)
     machine.admitted(time.monotonic())
     logger.info("[elastic-ep] scale joiner admitted into WORLD after %.1f s: receives the expert "
