@@ -162,9 +162,9 @@ def test_every_launch_rank_holds_every_expert(tmp_path: Path, launch: list[int],
     ([[0, 1, 2], [0, 2]], None),  # a live launch-time rank removed where it is
     ([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 3]], None),  # a live joiner removed in place
     ([[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 2]], "remove the tail first"),
-    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 3]], "launch slots a joiner refilled"),
-    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 3]],
-     "launch slots a joiner refilled"),
+    # A refilled launch slot holds a joiner: removed where it is below a serving rank.
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 3]], None),
+    ([[0, 1, 2], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 3]], None),
     ([[0, 1, 2], [0, 2], [0]], "[1] are failed or removed"),
     ([[0, 1], [0]], "two ranks"),
 ])

@@ -151,9 +151,6 @@ class InProcessControlPlane:
         self._hole_refills: set[str] = set()  # running scale-ups into removed ranks' holes
         # A refill waits for relaunches no scheduler step bounds: it fails after this long.
         self._refill_timeout_s = refill_timeout_s
-        # Slots scale joiners hold now (those below the launch size too, once a shrink released
-        # and a scale-up refilled them): they leave from the tail only, so never become holes.
-        self._joined_slots: set[int] = set()
         self._clock = clock
         self._events = events or EventLog(self._instance_id, capacity=event_capacity, clock=clock)
         if self._events.instance_id != self._instance_id:
@@ -277,8 +274,8 @@ class InProcessControlPlane:
             else:
                 resolved = resolve_removal(
                     request.remove_ranks, m.effective_size, failed=m.failed_in_range(),
-                    launch_size=self._topology.launch_size, joined=self._joined_slots,
-                    removed=m.removed, attn_replica_size=self._topology.attn_replica_size,
+                    launch_size=self._topology.launch_size, removed=m.removed,
+                    attn_replica_size=self._topology.attn_replica_size,
                     min_size=self._topology.min_ep_size,
                     ranks_per_node=self._topology.ranks_per_node)
                 if isinstance(resolved, int):
@@ -296,8 +293,7 @@ class InProcessControlPlane:
         if verdict is None:
             verdict = judge_with_holes(request.target_ep_size, current, m.removed) \
                 or validate_scale(request.target_ep_size, current_size=current,
-                                  topology=self._topology, failed_ranks=m.failed,
-                                  joined_slots=self._joined_slots)
+                                  topology=self._topology, failed_ranks=m.failed)
         admission = self._registry.admit(request, verdict, current_size=current)
         if admission.started:
             assert admission.operation is not None
@@ -519,9 +515,12 @@ class InProcessControlPlane:
                 m = replace(m, pending_size=None)
             elif error is None and op.kind is OperationKind.SCALE_UP:
                 m = replace(m, effective_size=op.new_ep_size, pending_size=None)
-                self._joined_slots.update(op.ranks)
             elif error is None and op.kind is OperationKind.SCALE_DOWN:
-                self._joined_slots.difference_update(op.ranks)
+                launch = self._topology.launch_size
+                if launch is not None and op.new_ep_size < launch:
+                    # The released launch-time slots leave the launch-time groups for good, as
+                    # on the schedulers: joiners that refill them count as scale-joined.
+                    self._topology = replace(self._topology, launch_size=op.new_ep_size)
                 m = replace(
                     m,
                     effective_size=op.new_ep_size,

@@ -46,7 +46,9 @@ class ScaleTopology:
     attn_replica_size: int = 1  # attn_tp_size * attn_cp_size: ranks per attention replica
     num_logical_experts: int | None = None
     slots_per_rank: int | None = None  # physical expert slots per rank, fixed at launch
-    launch_size: int | None = None  # ranks at launch: a shrink below it releases launch-time slots
+    # Ranks in the launch-time groups: the launch size, lowered by a shrink below it (which
+    # releases launch-time slots for good; joiners refill them).
+    launch_size: int | None = None
     # Launch-time ranks per launch_server tree (node): a live one leaves with its whole node.
     ranks_per_node: int = 1
 
@@ -94,7 +96,7 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 def resolve_removal(ranks: Iterable[int], current_size: int, *,
                     failed: Iterable[int] = (), launch_size: int | None = None,
-                    joined: Iterable[int] = (), removed: Iterable[int] = (),
+                    removed: Iterable[int] = (),
                     attn_replica_size: int = 1, min_size: int = 1, ranks_per_node: int = 1,
                     hints: bool = True) -> int | ScaleVerdict:
     """``remove_ranks`` as the size it leaves (the tail of ``current_size``), or as an
@@ -103,8 +105,9 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
     refills later: every launch-time rank rejoins in place, and so does a scale-joined one
     (at or above ``launch_size``) with a live rank above it. A scale-joined rank with no live
     rank above it that stays is a tail the survivors would let go, not a hole: it leaves
-    from the tail only. So does a launch-time slot that a shrink released and a scale-up
-    refilled (``joined`` below ``launch_size``): its joiner has no in-place rejoin. Failed ranks
+    from the tail only. ``launch_size``: the ranks in the launch-time groups, as the
+    schedulers count them (``ScaleTopology.launch_size``, lowered by a shrink below it).
+    Failed ranks
     are removed together (nothing runs); live ones only while no rank has failed and no hole
     is open (``removed``), so the drain and the agreed release start from one known set.
     ``min_size`` (``ScaleTopology.min_ep_size``): a refusal offers the tail only down to it.
@@ -163,7 +166,7 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
         if not hints:
             return False
         verdict = resolve_removal(candidate, current_size, failed=down, launch_size=launch,
-                                  joined=joined, removed=holes_open,
+                                  removed=holes_open,
                                   attn_replica_size=attn_replica_size, min_size=min_size,
                                   ranks_per_node=ranks_per_node, hints=False)
         if isinstance(verdict, int):  # a tail: accepted as that size
@@ -192,20 +195,16 @@ def resolve_removal(ranks: Iterable[int], current_size: int, *,
             f"while every rank serves: relaunch the failed ones with --elastic-ep-join-mode "
             f"recover{failed_hint}, then retry",
         )
-    refilled = [r for r in named if r in joined and r < launch]
     no_live_above = not_removable_in_place(
         named, current_size, launch,
         live=(r for r in range(current_size) if r not in down and r not in holes_open))
-    if refilled or no_live_above:
+    if no_live_above:
         rest = sorted(set(range(current_size)) - set(named))
-        why = (f"ranks {_ranks(refilled)} are launch-time slots that a scale joiner refilled "
-               "after a shrink, which leave from the tail only" if refilled else
-               f"ranks {_ranks(no_live_above)} joined by scale-up and have no live rank above "
-               "them that stays, so they leave from the tail only")
         return _refuse(
             HTTPStatus.UNPROCESSABLE_ENTITY, RejectionReason.NOT_THE_TAIL,
             f"removing {_ranks(named)} would leave the active ranks {_ranks(rest)} with a "
-            f"hole, and {why}; {instead}",
+            f"hole, and ranks {_ranks(no_live_above)} joined by scale-up and have no live rank "
+            f"above them that stays, so they leave from the tail only; {instead}",
         )
     split = sorted({r // attn_replica_size for r in named
                     if any(p not in named for p in _replica(r, attn_replica_size))})
@@ -273,8 +272,9 @@ def failed_joiners_below_live(failed: Iterable[int], current_size: int, *,
 
     They are no failed tail for the survivors to let go (``core.membership.failed_tail``):
     they rejoin in place by a relaunch, or leave with the live ranks above by a scale-down
-    past them. Ranks at or above ``launch_size`` only, as the schedulers count them: a launch
-    slot that a joiner refilled after a shrink is in the launch-time groups."""
+    past them. Ranks at or above ``launch_size`` only: the ranks below it are in the
+    launch-time groups (a shrink below the launch size lowers it, on the schedulers and in
+    ``ScaleTopology.launch_size``)."""
     down = frozenset(failed)
     launch = current_size if launch_size is None else launch_size
     live = [r for r in range(current_size) if r not in down]
@@ -350,19 +350,15 @@ def validate_scale(
     current_size: int,
     topology: ScaleTopology,
     failed_ranks: Iterable[int] = (),
-    joined_slots: Iterable[int] = (),
 ) -> ScaleVerdict:
     """Decide whether scaling from ``current_size`` to ``target`` may start now. A refusal
-    names only sizes (and removals) that would be accepted in the same state;
-    ``joined_slots``: the slots scale joiners hold now."""
+    names only sizes (and removals) that would be accepted in the same state."""
     failed = frozenset(r for r in failed_ranks if 0 <= r < current_size)
-    joined = frozenset(joined_slots)
 
     def accepted(size: int) -> bool:
-        return size != current_size and \
-            _judge(size, current_size, topology, failed, joined, None).ok
+        return size != current_size and _judge(size, current_size, topology, failed, None).ok
 
-    return _judge(target, current_size, topology, failed, joined, accepted)
+    return _judge(target, current_size, topology, failed, accepted)
 
 
 def _judge(
@@ -370,7 +366,6 @@ def _judge(
     current_size: int,
     topology: ScaleTopology,
     failed: frozenset[int],
-    joined: frozenset[int],
     accepted: Callable[[int], bool] | None,
 ) -> ScaleVerdict:
     """The verdict; ``accepted`` (None while judging a hint itself) filters the sizes a
@@ -439,13 +434,13 @@ def _judge(
             f"rank(s) {_ranks(failed)} failed; recover them first (relaunch them with "
             f"--elastic-ep-join-mode recover: they rejoin in place), or scale down to {past} "
             f"first (it {_past_failed_joiners(past, failed, current_size)})"
-            f"{_hole_removal_hint(failed, current_size, topology, joined)}, then scale up",
+            f"{_hole_removal_hint(failed, current_size, topology)}, then scale up",
         )
     if failed and target > current_size:
         remove_hint = (
             f", or remove them by scaling down to {removal_target}"
             if removal_target is not None
-            else _hole_removal_hint(failed, current_size, topology, joined)
+            else _hole_removal_hint(failed, current_size, topology)
         )
         return _refuse(
             HTTPStatus.CONFLICT,
@@ -462,10 +457,10 @@ def _judge(
             f"leave from the tail: scale down to {past} instead (it "
             f"{_past_failed_joiners(past, failed, current_size)}), or relaunch them with "
             "--elastic-ep-join-mode recover (they rejoin in place)"
-            f"{_hole_removal_hint(failed, current_size, topology, joined)}",
+            f"{_hole_removal_hint(failed, current_size, topology)}",
         )
     if failed and past is None and removable != failed:
-        holes = _hole_removal_hint(failed, current_size, topology, joined)
+        holes = _hole_removal_hint(failed, current_size, topology)
         fix = (
             f"scale down to exactly {removal_target}"
             if removal_target is not None
@@ -505,13 +500,13 @@ def _judge(
     )
 
 
-def _hole_removal_hint(failed: frozenset[int], current_size: int, topology: ScaleTopology,
-                       joined: frozenset[int]) -> str:
+def _hole_removal_hint(failed: frozenset[int], current_size: int,
+                       topology: ScaleTopology) -> str:
     """How to remove ``failed`` where they are (holes), when that is accepted; else ""."""
     if not failed:
         return ""
     accepted = resolve_removal(failed, current_size, failed=failed,
-                               launch_size=topology.launch_size, joined=joined,
+                               launch_size=topology.launch_size,
                                attn_replica_size=topology.attn_replica_size)
     if isinstance(accepted, ScaleVerdict) and accepted.leaves_holes:
         return f', or remove them where they are: {{"remove_ranks": {_ranks(failed)}}}'

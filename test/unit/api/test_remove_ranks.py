@@ -330,10 +330,10 @@ def test_a_refill_whose_relaunch_never_serves_fails_at_its_timeout_and_the_hole_
     assert engine.ops == []
 
 
-def test_a_launch_slot_refilled_by_a_joiner_is_no_launch_time_rank() -> None:
-    """Launched at 4, shrunk to 2 and grown back to 4 with joiners: slots 2 and 3 are scale
-    joiners' now, so a failed rank 2 cannot become a hole (its joiner has no in-place
-    rejoin)."""
+def test_a_launch_slot_refilled_by_a_joiner_counts_as_scale_joined() -> None:
+    """Launched with 4, shrunk to 2 and grown back to 4 with joiners: slots 2 and 3 left the
+    launch-time groups at the shrink (as on the schedulers), so a failed rank 2 below live
+    rank 3 follows the joiners' rules: a scale-down past it, or its removal where it is."""
     engine = FakeEngine()
     plane = make_plane(engine=engine, initial=4, launch_size=4, max_ep_size=4)
     client = TestClient(make_app(plane))
@@ -341,16 +341,29 @@ def test_a_launch_slot_refilled_by_a_joiner_is_no_launch_time_rank() -> None:
         assert client.post("/scale_elastic_ep", json={"new_ep_size": size,
                                                       "operation_id": op_id}).status_code == 200
         plane.finish_operation(op_id)
+    assert plane.topology.launch_size == 2
     plane.observe_rank_liveness([1, 2], reason="killed")
-    refused = client.post("/scale_elastic_ep", json={"remove_ranks": [1, 2]})
-    assert refused.status_code == 422, refused.text
-    assert "ranks [2] are launch-time slots that a scale joiner refilled" \
-        in refused.json()["message"]
-    shrink = client.post("/scale_elastic_ep", json={"new_ep_size": 3})  # no removal offered
-    assert shrink.json()["reason"] == "must_remove_failed_ranks", shrink.text
-    assert "remove_ranks" not in shrink.json()["message"]
-    assert client.post("/scale_elastic_ep", json={"remove_ranks": [1]}).status_code == 200
-    assert _states(client) == ["active", "safe_to_terminate", "failed", "active"]
+    holes = client.post("/scale_elastic_ep", json={"remove_ranks": [1, 2]})
+    assert holes.status_code == 200, holes.text
+    assert "ranks [2] as joiners at their own --elastic-ep-join-rank-offset" \
+        in holes.json()["message"]
+    assert _states(client) == ["active", "safe_to_terminate", "safe_to_terminate", "active"]
+    # The removal of failed ranks ran nothing on the schedulers.
+    assert [(op.old_ep_size, op.new_ep_size) for op in engine.ops] == [(4, 2), (2, 4)]
+
+
+def test_a_failed_refilled_launch_slot_below_a_live_one_may_be_shrunk_past() -> None:
+    engine = FakeEngine()
+    plane = make_plane(engine=engine, initial=4, launch_size=4, max_ep_size=4)
+    client = TestClient(make_app(plane))
+    for size, op_id in ((2, "down"), (4, "up")):
+        assert client.post("/scale_elastic_ep", json={"new_ep_size": size,
+                                                      "operation_id": op_id}).status_code == 200
+        plane.finish_operation(op_id)
+    plane.observe_rank_liveness([2], reason="killed")
+    past = client.post("/scale_elastic_ep", json={"new_ep_size": 2})
+    assert past.status_code == 200, past.text
+    assert [(op.old_ep_size, op.new_ep_size) for op in engine.ops][-1] == (4, 2)
 
 
 @pytest.mark.parametrize(("ranks", "status", "reason", "fragment"), [

@@ -151,12 +151,14 @@ def test_a_scale_up_with_a_failed_joiner_below_a_live_one_names_recovery_first()
     assert "recover them first" in v.message and "scale down to 2 first" in v.message
 
 
-def test_a_joiner_in_a_refilled_launch_slot_is_not_below_a_live_one_for_the_rules() -> None:
-    """Launched at 3, shrunk to 2, grown back: the schedulers count slot 2 as launch-time (it
-    is in the launch-time groups and rejoins in place), so the validator does too."""
+def test_a_failed_launch_time_rank_below_a_live_joiner_is_no_joiner_for_the_rules() -> None:
+    """Launched at 3 and grown to 4: rank 2 is in the launch-time groups, so no scale-down
+    past it is offered; it rejoins in place by a relaunch of its node."""
     topo = ScaleTopology(max_ep_size=4, launch_size=3)
-    v = validate_scale(2, current_size=4, topology=topo, failed_ranks=[2], joined_slots=[2, 3])
+    v = validate_scale(2, current_size=4, topology=topo, failed_ranks=[2])
     assert not v.ok and "recover" in v.message
+    shrunk = ScaleTopology(max_ep_size=4, launch_size=2)  # after a shrink to 2, regrown
+    assert validate_scale(2, current_size=4, topology=shrunk, failed_ranks=[2]).ok
 
 
 def test_a_failed_joiner_below_a_live_one_with_a_failed_launch_rank_names_the_relaunch() -> None:

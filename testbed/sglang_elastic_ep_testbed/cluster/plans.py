@@ -126,7 +126,7 @@ def steps_of(plan: object) -> list[Step]:
     # Slots held by scale joiners: every slot a grow adds, a released launch slot too.
     joined: set[int] = set()
     for i, entry in enumerate(sets[1:], start=1):
-        step = _step(i, entry, steps[-1], frozenset(joined), len(launch))
+        step = _step(i, entry, steps[-1], frozenset(joined))
         if step.kind == "grow":
             joined.update(step.ranks)
         elif step.kind == "shrink":
@@ -135,7 +135,7 @@ def steps_of(plan: object) -> list[Step]:
     return steps
 
 
-def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int], launch: int) -> Step:
+def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
     killed = sorted(-r for r in entry if r < 0)
     active = sorted(r for r in entry if r >= 0)
     before, failed, holes = set(prev.active), set(prev.failed), set(prev.holes)
@@ -157,12 +157,8 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int], launch: 
         return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | taken_in)),
                     tuple(sorted(holes - taken_in)))
     added, removed = sorted(set(active) - before), sorted(before - set(active))
-    refilled = sorted(r for r in set(removed) | failed if r in joined and r < launch)
     if (not added and not removed and prev.kind == "kill" and failed
             and max(failed) < max(active)):
-        if refilled:
-            raise PlanError(f"step {i}: ranks {refilled} are launch slots a joiner refilled, "
-                            "which are not removed where they are")
         # Failed ranks with a serving rank above them: removed where they are.
         return Step(i, "remove", tuple(sorted(failed)), tuple(active), (),
                     tuple(sorted(holes | failed)))
@@ -210,9 +206,6 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int], launch: 
             if any(r in joined and r > max(active) for r in removed):
                 raise PlanError(f"step {i}: {removed} is not the tail, and scale-joined ranks "
                                 "are removed below a serving rank only: remove the tail first")
-            if refilled:
-                raise PlanError(f"step {i}: ranks {refilled} are launch slots a joiner "
-                                "refilled, which leave from the tail only")
             # Live ranks below a serving one: removed where they are, leaving holes.
             return Step(i, "remove", tuple(removed), tuple(active), (),
                         tuple(sorted(holes | set(removed))))
