@@ -459,8 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     target = scale.add_mutually_exclusive_group(required=True)
     target.add_argument("--to", type=_positive_int, help="target EP ranks")
     target.add_argument("--remove", type=int, nargs="+", metavar="RANK",
-                        help="remove these ranks: the tail of the current size, or launch-time "
-                             "ranks where they are (their relaunch refills them)")
+                        help="remove these ranks: the tail of the current size, or ranks "
+                             "where they are (launch-time ones, scale-joined ones below a live "
+                             "rank; their relaunch refills them)")
     scale.add_argument("--wait", action="store_true", help="follow phases until done")
     scale.add_argument("--operation-id", help="idempotency key (default: a new UUID)")
     scale.add_argument("--expected-instance-id", help="refuse (412) if the server restarted")
