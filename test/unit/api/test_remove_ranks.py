@@ -330,10 +330,8 @@ def test_a_refill_whose_relaunch_never_serves_fails_at_its_timeout_and_the_hole_
     assert engine.ops == []
 
 
-def test_a_launch_slot_refilled_by_a_joiner_counts_as_scale_joined() -> None:
-    """Launched with 4, shrunk to 2 and grown back to 4 with joiners: slots 2 and 3 left the
-    launch-time groups at the shrink (as on the schedulers), so a failed rank 2 below live
-    rank 3 follows the joiners' rules: a scale-down past it, or its removal where it is."""
+def _regrown_after_a_shrink() -> tuple[TestClient, FakeEngine, object]:
+    """Launched with 4, shrunk to 2, grown back to 4 with joiners in slots 2 and 3."""
     engine = FakeEngine()
     plane = make_plane(engine=engine, initial=4, launch_size=4, max_ep_size=4)
     client = TestClient(make_app(plane))
@@ -341,6 +339,14 @@ def test_a_launch_slot_refilled_by_a_joiner_counts_as_scale_joined() -> None:
         assert client.post("/scale_elastic_ep", json={"new_ep_size": size,
                                                       "operation_id": op_id}).status_code == 200
         plane.finish_operation(op_id)
+    return client, engine, plane
+
+
+def test_a_launch_slot_refilled_by_a_joiner_counts_as_scale_joined() -> None:
+    """Launched with 4, shrunk to 2 and grown back to 4 with joiners: slots 2 and 3 left the
+    launch-time groups at the shrink (as on the schedulers), so a failed rank 2 below live
+    rank 3 follows the joiners' rules: a scale-down past it, or its removal where it is."""
+    client, engine, plane = _regrown_after_a_shrink()
     assert plane.topology.launch_size == 2
     plane.observe_rank_liveness([1, 2], reason="killed")
     holes = client.post("/scale_elastic_ep", json={"remove_ranks": [1, 2]})
@@ -353,13 +359,7 @@ def test_a_launch_slot_refilled_by_a_joiner_counts_as_scale_joined() -> None:
 
 
 def test_a_failed_refilled_launch_slot_below_a_live_one_may_be_shrunk_past() -> None:
-    engine = FakeEngine()
-    plane = make_plane(engine=engine, initial=4, launch_size=4, max_ep_size=4)
-    client = TestClient(make_app(plane))
-    for size, op_id in ((2, "down"), (4, "up")):
-        assert client.post("/scale_elastic_ep", json={"new_ep_size": size,
-                                                      "operation_id": op_id}).status_code == 200
-        plane.finish_operation(op_id)
+    client, engine, plane = _regrown_after_a_shrink()
     plane.observe_rank_liveness([2], reason="killed")
     past = client.post("/scale_elastic_ep", json={"new_ep_size": 2})
     assert past.status_code == 200, past.text
