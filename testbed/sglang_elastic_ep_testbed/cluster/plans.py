@@ -150,10 +150,9 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
         failed |= set(killed)
         # Holes of joiners with no live rank above them any more: one failed tail with the
         # ranks above, which the survivors let go; they are awaited again.
-        top = max(before | failed | holes)
-        while top in (failed | holes) & joined:
-            top -= 1
-        taken_in = {r for r in holes if r > top}
+        down = failed | holes
+        tail_from = _failed_tail_start(down, joined, max(before | down) + 1)
+        taken_in = {r for r in holes if r >= tail_from}
         return Step(i, "kill", tuple(killed), tuple(active), tuple(sorted(failed | taken_in)),
                     tuple(sorted(holes - taken_in)))
     added, removed = sorted(set(active) - before), sorted(before - set(active))
@@ -172,10 +171,7 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
                                 f"{sorted(set(added) - failed)}")
             # A failed tail of joiners is let go and re-admitted; every other failed rank
             # rejoins in place, and the survivors take those back together.
-            size = max(before | failed) + 1
-            tail_from = size
-            while tail_from - 1 in failed & joined:
-                tail_from -= 1
+            tail_from = _failed_tail_start(failed, joined, max(before | failed) + 1)
             in_place = {r for r in failed if r < tail_from}
             if in_place & set(back) and not in_place <= set(back):
                 raise PlanError(f"step {i}: ranks {sorted(in_place)} rejoin in place together: "
@@ -214,6 +210,15 @@ def _step(i: int, entry: list[int], prev: Step, joined: frozenset[int]) -> Step:
                             f"{len(active)}")
         return Step(i, "shrink", tuple(removed), tuple(active), ())
     return Step(i, "stay", (), tuple(active), tuple(sorted(failed)), prev.holes)
+
+
+def _failed_tail_start(down: set[int], joined: frozenset[int], size: int) -> int:
+    """The first slot of the run of down scale-joined ranks at the top of ``size`` (``size``
+    itself: none), as the survivors find it (``core.membership.failed_tail``)."""
+    first = size
+    while first - 1 in down & joined:
+        first -= 1
+    return first
 
 
 def plan_spec(tiny_model: Path, steps: Sequence[Step], max_ep_size: int = 4,
