@@ -12,7 +12,8 @@ cd "$ROOT"
 bash scripts/setup.sh
 start=$(date +%s)
 DIGEST=.cluster/failure-digest.txt  # written by failed cluster scenarios (LocalCluster)
-rm -f "$DIGEST"
+RELAUNCHED=.cluster/relaunched-after-a-crash.txt  # replacements a plan relaunched after a crash
+rm -f "$DIGEST" "$RELAUNCHED"
 .venv/bin/ruff check python test benchmark sgl-kernel testbed
 PYTEST=(.venv/bin/python -m pytest -q -rs -p no:cacheprovider --timeout=1800 --durations=15)
 if [[ $# -eq 0 ]]; then
@@ -28,6 +29,10 @@ else
   "${PYTEST[@]}" "$@" || rc=$?
 fi
 echo "test suite: $(( $(date +%s) - start )) s"
+if [[ -s "$RELAUNCHED" ]]; then
+  echo "===== replacements that crashed before they served, relaunched as an orchestrator would ($RELAUNCHED):"
+  cat "$RELAUNCHED"
+fi
 if [[ -s "$DIGEST" ]]; then
   # Last, where a truncated CI log still shows it: what each server of a failed scenario was
   # doing (the full report is printed with the failure above).

@@ -50,3 +50,28 @@ def test_a_server_the_scenario_killed_says_so_instead_of_the_code_popen_reads(
     server.killed = True  # what LocalCluster.kill_server sets before its SIGKILL
     assert server.state() == "killed by the scenario"
     assert server.digest().splitlines()[0].endswith(": killed by the scenario")
+
+
+STARTUP_CRASH = """\
+[2026-11-29 08:50:12 DP1 TP1 EP1] [elastic-ep] replacement of launch-time rank 1: waits
+[2026-11-29 08:50:29 DP1 TP1 EP1] Scheduler hit an exception: Traceback (most recent call last):
+  File "scheduler.py", line 1, in run_scheduler_process
+ConnectionError: joinGroup mooncake_pg_2 failed: peer 0 unreachable
+
+Traceback (most recent call last):
+    raise EOFError
+EOFError
+Traceback (most recent call last):
+RuntimeError: Rank 0 scheduler died during initialization (exit code: -3).
+"""
+
+
+def test_a_digest_names_the_first_exception_when_the_last_lines_are_its_aftermath(
+        tmp_path: Path) -> None:
+    server = server_with_log(tmp_path, "raise SystemExit(1)")
+    server.log_path.write_text(STARTUP_CRASH)
+    digest = server.digest(lines=3).splitlines()
+    assert digest[1] == ("  first exception: ConnectionError: joinGroup mooncake_pg_2 failed: "
+                         "peer 0 unreachable"), digest
+    assert digest[-1].startswith("  RuntimeError: Rank 0 scheduler died"), digest
+    assert len(digest) == 5, digest

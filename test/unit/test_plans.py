@@ -221,9 +221,71 @@ def test_a_relaunch_hook_sees_each_launch_time_replacement_before_the_wait_for_i
         start_node=lambda rank, recover: done.append(("start", rank, recover)) or f"node{rank}")
     runner = PlanRunner(cluster=cluster, steps=steps, load=None,  # type: ignore[arg-type]
                         on_relaunch=lambda r, rank, server: done.append(("hook", rank, server)))
-    runner._wait_state = lambda rank, state, timeout_s: done.append(("wait", rank, state))  # type: ignore
+    runner._wait_rejoined = lambda rank, nodes: done.append(("wait", rank))  # type: ignore
     runner._recover(steps[2])
-    assert done == [("start", 1, True), ("hook", 1, "node1"), ("wait", 1, "active")]
+    assert done == [("start", 1, True), ("hook", 1, "node1"), ("wait", 1)]
+
+
+class FakeReplacement:
+    """A replacement server for the runner's wait: alive until ``crash()``."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.killed, self.code = name, False, None
+
+    def crashed(self) -> bool:
+        return self.code not in (None, 0) and not self.killed
+
+    def state(self) -> str:
+        return "alive" if self.code is None else f"exited with {self.code}"
+
+    def first_exception(self) -> str:
+        return "ConnectionError: joinGroup failed"
+
+    def digest(self) -> str:
+        return f"{self.name}: {self.state()}"
+
+
+@pytest.mark.parametrize("crashes", [1, 2])
+def test_a_replacement_that_crashes_before_it_serves_is_relaunched_once(
+        crashes: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """As an orchestrator restarting failed servers would: the first crash of a replacement
+    before its rank serves is relaunched and noted; a second one fails the step, naming the
+    replacement and its first exception."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep_testbed.cluster import plans
+
+    steps = steps_of([[0, 1], [0, -1], [0, 1]])
+    started: list[FakeReplacement] = []
+    followers: dict[int, FakeReplacement] = {}
+
+    def start_node(rank: int, recover: bool) -> FakeReplacement:
+        started.append(FakeReplacement(f"node{rank}-recover-{len(started)}"))
+        followers[rank] = started[-1]
+        return started[-1]
+
+    def status_then_crash(url: str, accept, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
+        # Each replacement up to ``crashes`` exits 1 while rank 1 shows failed; the next serves.
+        if len(started) <= crashes:
+            started[-1].code = 1
+            return accept({"ranks": [{"state": "active"}, {"state": "failed"}]})
+        return accept({"ranks": [{"state": "active"}, {"state": "active"}]})
+
+    noted: list[str] = []
+    monkeypatch.setattr(plans, "wait_status", status_then_crash)
+    monkeypatch.setattr(plans, "note_crash_relaunch", lambda what, digest: noted.append(what))
+    cluster = SimpleNamespace(url="http://127.0.0.1:1", start_node=start_node,
+                              followers=followers)
+    runner = plans.PlanRunner(cluster=cluster, steps=steps, load=None)  # type: ignore[arg-type]
+    if crashes == 1:
+        runner._recover(steps[2])
+        assert [s.name for s in started] == ["node1-recover-0", "node1-recover-1"]
+        assert noted == ["rank 1's replacement node1-recover-0 exited with 1 before it served: "
+                         "first exception 'ConnectionError: joinGroup failed'"]
+    else:
+        with pytest.raises(plans.ReplacementCrashed, match="node1-recover-1 exited with 1"):
+            runner._recover(steps[2])
+        assert len(started) == 2 and len(noted) == 1
 
 
 @pytest.mark.parametrize(("exit_code", "accepted"), [(1, True), (0, False), (None, False)])

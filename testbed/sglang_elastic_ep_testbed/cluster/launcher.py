@@ -47,9 +47,17 @@ DEFAULT_LOG_DIR = REPO_ROOT / ".cluster" / "logs"
 # A few lines per server of each failed scenario, which scripts/test.sh prints last: CI keeps
 # only the head and the tail of the suite's output, and the full report sits in its middle.
 FAILURE_DIGEST = REPO_ROOT / ".cluster" / "failure-digest.txt"
+# Replacements that crashed before they served and were relaunched (a recover step of a plan
+# does what an orchestrator restarting failed servers does); scripts/test.sh prints it last
+# too, so that a passing suite still shows each such crash.
+RELAUNCHED_AFTER_A_CRASH = REPO_ROOT / ".cluster" / "relaunched-after-a-crash.txt"
 # What a digest keeps of a server's log: this plugin's lines (its NIXL connects left out),
 # Mooncake's evictions, errors.
 DIGEST_LOG_LINE = re.compile(r"\[elastic-ep\]|auto_deactivate group|Error|error:|Traceback")
+# The line that ends a Python traceback: an exception's name and message. A process that died
+# of one logs its own first, then those of the processes above it that it took along: the
+# first one is the cause.
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Gone|Exit)(: |$)")
 # Shortened in a digest: SGLang's date and parallel ranks before a line (time and DP rank
 # kept), glog's prefix (time kept), and the group of a Mooncake eviction (it evicts a rank
 # from each group in turn: one line is kept).
@@ -207,6 +215,10 @@ class ServerProcess:
             return "alive"
         return "killed by the scenario" if self.killed else f"exited with {code}"
 
+    def crashed(self) -> bool:
+        """It exited non-zero by itself (not killed by the scenario)."""
+        return self.popen.poll() not in (None, 0) and not self.killed
+
     def wait_exit(self, timeout_s: float) -> int | None:
         """The exit code once the server exits by itself (a released rank); None on timeout."""
         try:
@@ -245,8 +257,16 @@ class ServerProcess:
                 line = pattern.sub(replacement, line)
             if not kept or kept[-1] != line[:180]:
                 kept.append(line[:180])
-        return "\n".join([f"{self.name} (pid {self.pid}): {self.state()}",
+        first = self.first_exception()
+        cause = [f"  first exception: {first[:180]}"] if first and first[:180] not in \
+            kept[-lines:] else []
+        return "\n".join([f"{self.name} (pid {self.pid}): {self.state()}", *cause,
                           *(f"  {line}" for line in kept[-lines:])])
+
+    def first_exception(self) -> str | None:
+        """The first exception line of the log (``EXCEPTION_LINE``): why a process that died of
+        a Python exception died. None when there is none."""
+        return next((line for line in self.log_lines() if EXCEPTION_LINE.match(line)), None)
 
     def wait_ready(self, timeout_s: float, path: str = "/health_generate") -> None:
         """Return once ``path`` answers 200. Raises RuntimeError as soon as the process exits
@@ -575,8 +595,19 @@ class LocalCluster:
 
     def write_failure_digest(self, exc_type: type[BaseException]) -> None:
         """Append this cluster's digest to ``FAILURE_DIGEST`` (see there)."""
-        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-        FAILURE_DIGEST.parent.mkdir(parents=True, exist_ok=True)
-        with FAILURE_DIGEST.open("a") as out:
-            out.write(f"== {test}: {exc_type.__name__}\n")
-            out.write("".join(server.digest() + "\n" for server in self.servers()))
+        _append_for_this_test(FAILURE_DIGEST, exc_type.__name__,
+                              "\n".join(server.digest() for server in self.servers()))
+
+
+def note_crash_relaunch(what: str, digest: str) -> None:
+    """Append one relaunch after a crash, with the crashed server's digest, to
+    ``RELAUNCHED_AFTER_A_CRASH``."""
+    _append_for_this_test(RELAUNCHED_AFTER_A_CRASH, what, digest)
+
+
+def _append_for_this_test(path: Path, what: str, body: str) -> None:
+    """Append ``== <the running test>: <what>`` and ``body`` to the report at ``path``."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        out.write(f"== {test}: {what}\n{body}\n")

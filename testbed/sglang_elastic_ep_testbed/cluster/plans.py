@@ -50,7 +50,12 @@ from typing import Literal
 import httpx
 
 from sglang_elastic_ep.sglang.args import FAULT_WINDOW_PAST_HEARTBEAT_S
-from sglang_elastic_ep_testbed.cluster.launcher import ClusterSpec, LocalCluster, ServerProcess
+from sglang_elastic_ep_testbed.cluster.launcher import (
+    ClusterSpec,
+    LocalCluster,
+    ServerProcess,
+    note_crash_relaunch,
+)
 from sglang_elastic_ep_testbed.cluster.load import (
     LoadClient,
     RequestResult,
@@ -79,12 +84,18 @@ KillHow = Literal["server", "scheduler"]
 RelaunchOrder = Literal["lowest_first", "highest_first"]
 # What a replacement logs once its start-up is done and it waits for the survivors: a let-go
 # tail's joiner in its admission, a rank that rejoins in place in upstream's rejoin.
+# How often a recover step relaunches a replacement that crashed before it served.
+CRASH_RELAUNCHES = 1
 WAITING_FOR_THE_SURVIVORS = ("registered its cohort: waits for the serving ranks to admit it",
                              "waits for the survivors to take it back")
 
 
 class PlanError(ValueError):
     """A plan that is malformed or asks for a change the plugin does not make."""
+
+
+class ReplacementCrashed(AssertionError):
+    """A relaunched rank's server exited non-zero before the rank served again."""
 
 
 @dataclass(frozen=True)
@@ -344,7 +355,36 @@ class PlanRunner:
                                                for line in WAITING_FOR_THE_SURVIVORS) or None,
                            CHANGE_S, f"rank {rank}'s replacement waiting for the survivors")
         for rank in step.ranks:
-            self._wait_state(rank, "active", CHANGE_S)
+            self._wait_rejoined(rank, nodes)
+
+    def _wait_rejoined(self, rank: int, nodes: Sequence[int]) -> None:
+        """Wait until ``rank`` serves again. A replacement that crashes first (exits non-zero,
+        not killed by the scenario) is relaunched, at most ``CRASH_RELAUNCHES`` times, as an
+        orchestrator restarting failed servers does: the plugin's contract is that such a
+        server exits non-zero to be relaunched. Each relaunch is printed and noted in
+        ``RELAUNCHED_AFTER_A_CRASH``; one crash more fails the step at once, naming its
+        first exception."""
+        for relaunches in range(CRASH_RELAUNCHES + 1):
+            server = self._server_of(rank)
+
+            def active(current: dict, server: ServerProcess | None = server) -> dict | None:
+                if current["ranks"][rank]["state"] == "active":
+                    return current
+                if server is not None and server.crashed():
+                    raise ReplacementCrashed(f"rank {rank}'s replacement {server.name} "
+                                             f"{server.state()} before it served: first "
+                                             f"exception {server.first_exception()!r}")
+                return None
+
+            try:
+                wait_status(self.cluster.url, active, CHANGE_S, f"rank {rank} active")
+                return
+            except ReplacementCrashed as crash:
+                if relaunches == CRASH_RELAUNCHES:
+                    raise
+                print(f"[plan] {crash}; relaunched", flush=True)
+                note_crash_relaunch(str(crash), server.digest() if server else "")
+                self._relaunch(rank, nodes)
 
     def _relaunch_lowest_first(self, step: Step, nodes: Sequence[int]) -> None:
         # Launch-time ranks first, all at once: the survivors take them back together, once
@@ -353,11 +393,11 @@ class PlanRunner:
         for rank in nodes:
             self._relaunch(rank, nodes)
         for rank in nodes:
-            self._wait_state(rank, "active", CHANGE_S)
+            self._wait_rejoined(rank, nodes)
         for rank in step.ranks:
             if rank not in nodes:
                 self._relaunch(rank, nodes)
-                self._wait_state(rank, "active", CHANGE_S)
+                self._wait_rejoined(rank, nodes)
 
     def _grow(self, step: Step) -> None:
         for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
