@@ -247,7 +247,7 @@ class FakeReplacement:
 
 @pytest.mark.parametrize("crashes", [1, 2])
 def test_a_replacement_that_crashes_before_it_serves_is_relaunched_once(
-        crashes: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        crashes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """As an orchestrator restarting failed servers would: the first crash of a replacement
     before its rank serves is relaunched and noted; a second one fails the step, naming the
     replacement and its first exception."""
@@ -276,10 +276,13 @@ def test_a_replacement_that_crashes_before_it_serves_is_relaunched_once(
     monkeypatch.setattr(plans, "note_crash_relaunch", lambda what, digest: noted.append(what))
     cluster = SimpleNamespace(url="http://127.0.0.1:1", start_node=start_node,
                               followers=followers)
-    runner = plans.PlanRunner(cluster=cluster, steps=steps, load=None)  # type: ignore[arg-type]
+    hooked: list[str] = []
+    runner = plans.PlanRunner(cluster=cluster, steps=steps, load=None,  # type: ignore[arg-type]
+                              on_relaunch=lambda r, rank, server: hooked.append(server.name))
     if crashes == 1:
         runner._recover(steps[2])
         assert [s.name for s in started] == ["node1-recover-0", "node1-recover-1"]
+        assert hooked == ["node1-recover-0"]  # the scenario's fault is not injected again
         assert noted == ["rank 1's replacement node1-recover-0 exited with 1 before it served: "
                          "first exception 'ConnectionError: joinGroup failed'"]
     else:

@@ -82,10 +82,10 @@ KillHow = Literal["server", "scheduler"]
 # each started once the one before waits for the survivors (its start-up done), so the
 # survivors must hold the higher ones back until the lower ones are in.
 RelaunchOrder = Literal["lowest_first", "highest_first"]
-# What a replacement logs once its start-up is done and it waits for the survivors: a let-go
-# tail's joiner in its admission, a rank that rejoins in place in upstream's rejoin.
 # How often a recover step relaunches a replacement that crashed before it served.
 CRASH_RELAUNCHES = 1
+# What a replacement logs once its start-up is done and it waits for the survivors: a let-go
+# tail's joiner in its admission, a rank that rejoins in place in upstream's rejoin.
 WAITING_FOR_THE_SURVIVORS = ("registered its cohort: waits for the serving ranks to admit it",
                              "waits for the survivors to take it back")
 
@@ -336,11 +336,12 @@ class PlanRunner:
         if holes:
             self._wait_succeeded(refill, f"the refill of {holes}")
 
-    def _relaunch(self, rank: int, nodes: Sequence[int]) -> ServerProcess:
-        """Start ``rank``'s replacement: its node's server, or a joiner in recover mode."""
+    def _relaunch(self, rank: int, nodes: Sequence[int], inject: bool = True) -> ServerProcess:
+        """Start ``rank``'s replacement: its node's server, or a joiner in recover mode.
+        ``inject``: run ``on_relaunch`` (not for the relaunch of a crashed replacement)."""
         if rank in nodes:
             server = self.cluster.start_node(rank, recover=True)
-            if self.on_relaunch is not None:
+            if inject and self.on_relaunch is not None:
                 self.on_relaunch(self, rank, server)
             return server
         server = self.joiners[rank] = self.cluster.start_joiner("recover", rank_offset=rank)
@@ -384,7 +385,7 @@ class PlanRunner:
                     raise
                 print(f"[plan] {crash}; relaunched", flush=True)
                 note_crash_relaunch(str(crash), server.digest() if server else "")
-                self._relaunch(rank, nodes)
+                self._relaunch(rank, nodes, inject=False)
 
     def _relaunch_lowest_first(self, step: Step, nodes: Sequence[int]) -> None:
         # Launch-time ranks first, all at once: the survivors take them back together, once
@@ -445,11 +446,6 @@ class PlanRunner:
         done = wait_operation(self.cluster.url, operation_id, CHANGE_S)
         if done["result"] != "succeeded":
             raise AssertionError(f"{what} did not succeed: {done}")
-
-    def _wait_state(self, rank: int, state: str, timeout_s: float) -> dict:
-        return wait_status(self.cluster.url,
-                           lambda s: s if s["ranks"][rank]["state"] == state else None,
-                           timeout_s, f"rank {rank} {state}")
 
     def check(self, step: Step) -> dict:
         """The status shows exactly ``step``'s active and failed ranks; every active shard
