@@ -15,7 +15,7 @@ DIGEST=.cluster/failure-digest.txt  # written by failed cluster scenarios (Local
 RELAUNCHED=.cluster/relaunched-after-a-crash.txt  # replacements a plan relaunched after a crash
 rm -f "$DIGEST" "$RELAUNCHED"
 .venv/bin/ruff check python test benchmark sgl-kernel testbed
-PYTEST=(.venv/bin/python -m pytest -q -rs -p no:cacheprovider --timeout=1800 --durations=15)
+PYTEST=(.venv/bin/python -m pytest -q -rsR -p no:cacheprovider --timeout=1800 --durations=15)
 if [[ $# -eq 0 ]]; then
   # Unit tests run as a fresh clone would run them by hand: without the CPU engine.
   env -u SGLANG_USE_CPU_ENGINE "${PYTEST[@]}" test/unit
@@ -36,7 +36,7 @@ fi
 if [[ -s "$DIGEST" ]]; then
   # Last, where a truncated CI log still shows it: what each server of a failed scenario was
   # doing (the full report is printed with the failure above).
-  echo "===== failed cluster scenarios, last lines of each server ($DIGEST):"
+  echo "===== failed runs of cluster scenarios (each is rerun once: see RERUN above), last lines of each server ($DIGEST):"
   cat "$DIGEST"
 fi
 exit "$rc"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from sglang_elastic_ep.sglang import expert_dispatch
@@ -31,27 +34,40 @@ class FakeMetadata:
         self.num_logical_experts = 8
 
 
-def test_an_in_place_metadata_update_refreshes_the_cached_tables_in_the_same_tensors() -> None:
-    expert_dispatch.reset_caches()
+@pytest.fixture
+def caches(monkeypatch: pytest.MonkeyPatch) -> expert_dispatch.DispatchCaches:
+    """The dispatch caches of a process whose elastic state is a bare object."""
+    state = SimpleNamespace()
+    monkeypatch.setattr(expert_dispatch, "elastic_state", lambda: state)
+    return expert_dispatch.dispatch_caches(state)
+
+
+def test_an_in_place_metadata_update_refreshes_the_cached_tables_in_the_same_tensors(
+        caches: expert_dispatch.DispatchCaches) -> None:
     metadata = FakeMetadata(HALVES)
-    table, _ = expert_dispatch._full_replicas(metadata, 0, torch.device("cpu"), False)
+    table, _ = caches.full_replicas(metadata, 0, torch.device("cpu"), False)
     before = table.data_ptr()
     assert table[5, :2].tolist() == [9, 13]
     # EPLB rewrites the same metadata object: expert 5 now lives once on each rank.
     spread = [*range(8), *range(8)]
     metadata.physical_to_logical_map[0] = torch.tensor(spread)
     expert_dispatch.refresh_replica_tables(metadata)
-    table, counts = expert_dispatch._full_replicas(metadata, 0, torch.device("cpu"), False)
+    table, counts = caches.full_replicas(metadata, 0, torch.device("cpu"), False)
     assert table.data_ptr() == before
     assert table[5, :2].tolist() == [5, 13] and counts[5] == 2
-    expert_dispatch.reset_caches()
 
 
-def test_an_update_of_another_metadata_leaves_the_cache_alone() -> None:
-    expert_dispatch.reset_caches()
+def test_an_update_of_another_metadata_leaves_the_cache_alone(
+        caches: expert_dispatch.DispatchCaches) -> None:
     metadata = FakeMetadata(HALVES)
-    table, _ = expert_dispatch._full_replicas(metadata, 0, torch.device("cpu"), False)
+    caches.full_replicas(metadata, 0, torch.device("cpu"), False)
     expert_dispatch.refresh_replica_tables(FakeMetadata([*range(8), *range(8)]))
-    again, _ = expert_dispatch._full_replicas(metadata, 0, torch.device("cpu"), False)
+    again, _ = caches.full_replicas(metadata, 0, torch.device("cpu"), False)
     assert again[5, :2].tolist() == [9, 13]
+
+
+def test_a_reset_gives_the_process_fresh_caches(caches: expert_dispatch.DispatchCaches) -> None:
+    caches.dropped_counter(torch.device("cpu"), False).add_(3)
+    assert expert_dispatch.dropped_expert_assignments() == 3
     expert_dispatch.reset_caches()
+    assert expert_dispatch.dropped_expert_assignments() == 0

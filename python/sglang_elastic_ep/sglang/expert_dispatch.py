@@ -40,6 +40,7 @@ does nothing else. SGLang is imported lazily, so the tensor logic imports and ru
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ import torch
 from sglang_elastic_ep.sglang import expert_health
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import (
+    attached_state,
     elastic_ep_enabled,
     elastic_state,
     expert_location_metadata,
@@ -60,10 +62,6 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 logger = get_logger(__name__)
-
-_slot_to_rank_cache: dict[tuple[int, int, str], torch.Tensor] = {}
-_dropped_counters: dict[str, torch.Tensor] = {}
-_warned: set[str] = set()
 
 
 # ------------------------------------------------------------------------------- the hook
@@ -92,19 +90,22 @@ def _route_live(topk_ids: torch.Tensor, physical: torch.Tensor, info: Any) -> to
     state = elastic_state()
     if state is None or state.active_ranks is None or topk_ids.numel() == 0:
         return physical
+    caches = dispatch_caches(state)
     metadata = expert_location_metadata()
     if metadata is None:
-        _warn_once("no-metadata", "elastic EP dispatch: no expert location metadata; unchanged")
+        caches.warn_once("no-metadata",
+                         "elastic EP dispatch: no expert location metadata; unchanged")
         return physical
     device = topk_ids.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     table = info.partial_logical_to_all_physical_map
     counts = info.partial_logical_to_all_physical_map_num_valid
-    full = _full_replicas(metadata, getattr(info, ELASTIC_LAYER_ATTR, None), device, capturing)
+    full = caches.full_replicas(metadata, getattr(info, ELASTIC_LAYER_ATTR, None), device,
+                                capturing)
     if full is not None:  # every replica, not only this rank's nearest one
         table, counts = full
     width = _replica_width(table, info.num_physical_experts)
-    slot_to_rank = _slot_to_rank(
+    slot_to_rank = caches.slot_to_rank(
         info.num_physical_experts, metadata.num_local_physical_experts, device, capturing
     )
     health = expert_health.expert_health_state(state)
@@ -115,7 +116,7 @@ def _route_live(topk_ids: torch.Tensor, physical: torch.Tensor, info: Any) -> to
         counts,
         slot_to_rank,
         health.routable_ranks(state.active_ranks),  # slow ranks blocked like dead ones
-        dropped_counter=_dropped_counter(device, capturing),
+        dropped_counter=caches.dropped_counter(device, capturing),
     )
     if health.blocked_mask:
         # A blocked rank is slow, not dead: where its expert has no replica elsewhere, keep
@@ -140,12 +141,6 @@ def dispatch_info_with_layer(
     if info is not None and elastic_ep_enabled():
         setattr(info, ELASTIC_LAYER_ATTR, int(layer_id))
     return info
-
-
-# device -> (the metadata it was built from, table, counts); the reference keeps the metadata
-# alive, so a new metadata can never reuse the old one's id. EPLB rewrites a metadata in place
-# (``ExpertLocationMetadata.update``): :func:`refresh_replica_tables` follows it.
-_full_replica_cache: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
 
 def full_replica_table(
@@ -179,43 +174,12 @@ def full_replica_table(
     return table, counts
 
 
-def _full_replicas(
-    metadata: Any, layer: int | None, device: torch.device, capturing: bool
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if layer is None:
-        return None
-    key = str(device)
-    cached = _full_replica_cache.get(key)
-    if cached is None or cached[0] is not metadata:
-        if capturing:
-            return None  # built outside capture on the first eager pass
-        table, counts = full_replica_table(
-            metadata.physical_to_logical_map, int(metadata.num_logical_experts)
-        )
-        cached = (metadata, table.to(device), counts.to(device))
-        _full_replica_cache[key] = cached
-    _, table, counts = cached
-    if layer >= table.shape[0]:
-        return None
-    return table[layer], counts[layer]
-
-
 def refresh_replica_tables(updated: Any) -> None:
     """After an EPLB rebalance rewrote the metadata ``updated`` in place: the replica tables
-    built from it are rebuilt, copied into the same tensors when the shapes match, so a
-    captured CUDA graph reads the new layout without recapture."""
-    for key, (metadata, table, counts) in list(_full_replica_cache.items()):
-        if metadata is not updated:
-            continue
-        new_table, new_counts = full_replica_table(
-            updated.physical_to_logical_map, int(updated.num_logical_experts)
-        )
-        if new_table.shape == table.shape and new_counts.shape == counts.shape:
-            table.copy_(new_table)
-            counts.copy_(new_counts)
-        else:
-            _full_replica_cache[key] = (updated, new_table.to(table.device),
-                                        new_counts.to(counts.device))
+    built from it are rebuilt (:meth:`DispatchCaches.refresh`)."""
+    state = elastic_state()
+    if state is not None:
+        dispatch_caches(state).refresh(updated)
 
 
 # ------------------------------------------------------------------- tensor logic (no SGLang)
@@ -370,22 +334,97 @@ def _repair_triton(
 # -------------------------------------------------------------------- per-process caches
 
 
-def _slot_to_rank(
-    num_physical: int, num_local: int, device: torch.device, capturing: bool
-) -> torch.Tensor:
-    """EP rank of each physical slot in SGLang's layout: ``slot // num_local_physical_experts``."""
-    key = (num_physical, num_local, str(device))
-    cached = _slot_to_rank_cache.get(key)
-    if cached is not None:
-        return cached
-    table = torch.div(
-        torch.arange(num_physical, dtype=torch.int32, device=device),
-        max(num_local, 1),
-        rounding_mode="floor",
-    )
-    if not capturing:  # made inside a capture it would only be filled by the replays
-        _slot_to_rank_cache[key] = table
-    return table
+@dataclass
+class DispatchCaches:
+    """The hook's tables and drop counters, one set per process, kept on upstream's elastic
+    state. Tensors made outside a CUDA-graph capture and reused by every later call, so a
+    captured graph reads the same memory the eager passes update."""
+
+    # (physical slots, slots per rank, device) -> EP rank of each slot
+    slot_to_rank_tables: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
+    # device -> (the metadata it was built from, table, counts); the reference keeps the
+    # metadata alive, so a new metadata can never reuse the old one's id. EPLB rewrites a
+    # metadata in place (``ExpertLocationMetadata.update``): :meth:`refresh` follows it.
+    replica_tables: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
+    dropped_counters: dict[str, torch.Tensor] = field(default_factory=dict)  # device -> [1]
+    warned: set[str] = field(default_factory=set)
+
+    def slot_to_rank(self, num_physical: int, num_local: int, device: torch.device,
+                     capturing: bool) -> torch.Tensor:
+        """EP rank of each physical slot in SGLang's layout: ``slot // num_local``."""
+        key = (num_physical, num_local, str(device))
+        cached = self.slot_to_rank_tables.get(key)
+        if cached is not None:
+            return cached
+        table = torch.div(
+            torch.arange(num_physical, dtype=torch.int32, device=device),
+            max(num_local, 1),
+            rounding_mode="floor",
+        )
+        if not capturing:  # made inside a capture it would only be filled by the replays
+            self.slot_to_rank_tables[key] = table
+        return table
+
+    def full_replicas(self, metadata: Any, layer: int | None, device: torch.device,
+                      capturing: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer``'s full replica table and counts (:func:`full_replica_table`) on
+        ``device``; None without a layer, inside a capture before the first eager pass, or for
+        a layer past the metadata's."""
+        if layer is None:
+            return None
+        key = str(device)
+        cached = self.replica_tables.get(key)
+        if cached is None or cached[0] is not metadata:
+            if capturing:
+                return None  # built outside capture on the first eager pass
+            table, counts = full_replica_table(
+                metadata.physical_to_logical_map, int(metadata.num_logical_experts)
+            )
+            cached = (metadata, table.to(device), counts.to(device))
+            self.replica_tables[key] = cached
+        _, table, counts = cached
+        if layer >= table.shape[0]:
+            return None
+        return table[layer], counts[layer]
+
+    def refresh(self, updated: Any) -> None:
+        """The tables built from ``updated`` (rewritten in place by EPLB) are rebuilt, copied
+        into the same tensors when the shapes match, so a captured CUDA graph reads the new
+        layout without recapture."""
+        for key, (metadata, table, counts) in list(self.replica_tables.items()):
+            if metadata is not updated:
+                continue
+            new_table, new_counts = full_replica_table(
+                updated.physical_to_logical_map, int(updated.num_logical_experts)
+            )
+            if new_table.shape == table.shape and new_counts.shape == counts.shape:
+                table.copy_(new_table)
+                counts.copy_(new_counts)
+            else:
+                self.replica_tables[key] = (updated, new_table.to(table.device),
+                                            new_counts.to(counts.device))
+
+    def dropped_counter(self, device: torch.device, capturing: bool) -> torch.Tensor | None:
+        key = str(device)
+        counter = self.dropped_counters.get(key)
+        if counter is None and not capturing:
+            counter = torch.zeros(1, dtype=torch.int64, device=device)
+            self.dropped_counters[key] = counter
+        return counter
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            logger.warning(message)
+
+
+_CACHES_ATTR = "_elastic_ep_dispatch_caches"
+
+
+def dispatch_caches(state: Any) -> DispatchCaches:
+    """This process's :class:`DispatchCaches`, kept on upstream's elastic state."""
+    return attached_state(state, _CACHES_ATTR, DispatchCaches)
 
 
 def _replica_width(table: torch.Tensor, num_physical: int) -> int:
@@ -400,35 +439,23 @@ def _replica_width(table: torch.Tensor, num_physical: int) -> int:
     return max(1, min(x, num_physical - num_logical + 1))
 
 
-def _dropped_counter(device: torch.device, capturing: bool) -> torch.Tensor | None:
-    key = str(device)
-    counter = _dropped_counters.get(key)
-    if counter is None and not capturing:
-        counter = torch.zeros(1, dtype=torch.int64, device=device)
-        _dropped_counters[key] = counter
-    return counter
-
-
 def dropped_expert_assignments() -> int:
     """(token, expert, layer) assignments sent to ``-1`` because the expert had no live replica.
 
     Reads the device counters: a host sync. For metrics and tests, not for the forward path.
     Counts padded rows of CUDA-graph batches too (upstream masks them after the dispatch).
     """
-    return sum(int(c.item()) for c in _dropped_counters.values())
+    state = elastic_state()
+    if state is None:
+        return 0
+    return sum(int(c.item()) for c in dispatch_caches(state).dropped_counters.values())
 
 
 def reset_caches() -> None:
     """Forget the cached tables and counters (tests; a new engine in the same process)."""
-    _slot_to_rank_cache.clear()
-    _dropped_counters.clear()
-    _full_replica_cache.clear()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
+    state = elastic_state()
+    if state is not None:
+        setattr(state, _CACHES_ATTR, DispatchCaches())
 
 
 # ------------------------------------------------------------------ membership-event log

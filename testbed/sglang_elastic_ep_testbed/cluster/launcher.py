@@ -257,7 +257,8 @@ class ServerProcess:
                 line = pattern.sub(replacement, line)
             if not kept or kept[-1] != line[:180]:
                 kept.append(line[:180])
-        first = self.first_exception()
+        # Only an ended server's: a live one's log has the harmless ones of its start-up.
+        first = None if self.alive() else self.first_exception()
         cause = [f"  first exception: {first[:180]}"] if first and first[:180] not in \
             kept[-lines:] else []
         return "\n".join([f"{self.name} (pid {self.pid}): {self.state()}", *cause,
@@ -583,19 +584,24 @@ class LocalCluster:
         servers = [s for s in self.servers() if s.alive()]
         return dump_stacks([s.pid for s in servers], out or self.spec.log_dir / "stacks.txt", tag)
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 *_: object) -> None:
         if exc_type is not None and exc_type is not KeyboardInterrupt:
             # Printed, so pytest shows it with the failure (CI keeps no log directory).
             for server in self.servers():
                 print(f"===== {server.log_path.name} (pid {server.pid}, {server.state()}), "
                       f"less routine lines:\n{server.log_events()}")
             print(self.dump_stacks(f"cluster torn down after {exc_type.__name__}"))
-            self.write_failure_digest(exc_type)
+            self.write_failure_digest(exc)
         self.stop()
 
-    def write_failure_digest(self, exc_type: type[BaseException]) -> None:
-        """Append this cluster's digest to ``FAILURE_DIGEST`` (see there)."""
-        _append_for_this_test(FAILURE_DIGEST, exc_type.__name__,
+    def write_failure_digest(self, exc: BaseException | None) -> None:
+        """Append this cluster's digest to ``FAILURE_DIGEST`` (see there), headed by the
+        failure: its type and the start of its message (a scenario rerun after it keeps no
+        other trace of it)."""
+        what = "failure" if exc is None else type(exc).__name__ + (
+            f": {str(exc)[:300]}" if str(exc) else "")
+        _append_for_this_test(FAILURE_DIGEST, what,
                               "\n".join(server.digest() for server in self.servers()))
 
 
