@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 
 LOG = """\
@@ -75,3 +77,21 @@ def test_a_digest_names_the_first_exception_when_the_last_lines_are_its_aftermat
                          "peer 0 unreachable"), digest
     assert digest[-1].startswith("  RuntimeError: Rank 0 scheduler died"), digest
     assert len(digest) == 5, digest
+
+
+def test_a_scenario_digest_is_headed_by_the_failure_and_its_message(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun scenario keeps no other trace of its first failure than this digest."""
+    from sglang_elastic_ep_testbed.cluster import launcher
+
+    out = tmp_path / "failure-digest.txt"
+    monkeypatch.setattr(launcher, "FAILURE_DIGEST", out)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "test/e2e/test_x.py::test_y (call)")
+    cluster = launcher.LocalCluster.__new__(launcher.LocalCluster)
+    cluster.primary, cluster.followers, cluster.joiners = (
+        server_with_log(tmp_path, "raise SystemExit(1)"), {}, [])
+    cluster.write_failure_digest(TimeoutError("rank 1 active not within 420 s: {...}"))
+    lines = out.read_text().splitlines()
+    assert lines[0] == "== test/e2e/test_x.py::test_y: TimeoutError: rank 1 active not within " \
+                       "420 s: {...}", lines
+    assert lines[1].endswith(": exited with 1"), lines
