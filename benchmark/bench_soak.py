@@ -6,16 +6,22 @@ latency p50 / p99 of the cycle.
 
 Each cycle launches a scale joiner for rank 2, POSTs 3, waits for the commit, POSTs 2 and waits
 for the joiner's server to exit 0. Nothing may grow cycle over cycle: the section states the
-growth from the first cycle to the last and the largest step between two cycles. Writes
-docs/benchmarks.md section ``soak``.
+growth from the first cycle to the last and the largest step between two cycles. With
+``--heap-snapshots`` it also lists the Python allocations rank 0's scheduler made from the end
+of cycle 2 to the last and still holds (tracemalloc, started at the end of cycle 1: the
+cycles after that run traced, so slower). Writes docs/benchmarks.md section ``soak``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import statistics
 import sys
 import time
+import tracemalloc
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,11 +34,59 @@ from _scenario import REPLICATED, grow_by_joiner, operation_succeeded, tiny_spec
 from sglang_elastic_ep_testbed.cluster import LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.observe import post_scale  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.procs import process_tree  # noqa: E402
+from sglang_elastic_ep_testbed.cluster.waits import wait_until  # noqa: E402
+from sglang_elastic_ep_testbed.cpu.heap_snapshots import (  # noqa: E402
+    ENV_SNAPSHOT_DIR,
+    snapshot_path,
+)
 
 SHM = Path("/dev/shm")
 # The mappings of rank 0's scheduler whose RSS changed most between the first cycle and the
 # last: where its growth lives (the malloc heap, anonymous mappings, or a file).
 TOP_MAPPINGS = 8
+SNAPSHOT_DIR = Path(__file__).resolve().parents[1] / ".cluster" / "heap-snapshots"
+TOP_ALLOCATIONS = 10  # the source lines whose live allocations grew most
+
+
+class HeapSnapshots:
+    """SIGUSR2 snapshots of one scheduler (``cpu/heap_snapshots.py``): the first signal starts
+    the tracing, each one writes the next snapshot."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.taken = pid, 0
+
+    def take(self) -> Path:
+        path = snapshot_path(SNAPSHOT_DIR, self.pid, self.taken)
+        os.kill(self.pid, signal.SIGUSR2)
+        wait_until(path.exists, 300, f"heap snapshot {path.name}")
+        self.taken += 1
+        return path
+
+
+def heap_growth(before: Path, after: Path) -> list[str]:
+    """Markdown rows: the source lines whose live Python allocations grew most from ``before``
+    to ``after``, then the call stack of the largest."""
+    old, new = tracemalloc.Snapshot.load(str(before)), tracemalloc.Snapshot.load(str(after))
+    rows = ["| allocated at | growth (KiB) | blocks | live after (KiB) |", "|---|---:|---:|---:|"]
+    for stat in new.compare_to(old, "lineno")[:TOP_ALLOCATIONS]:
+        frame = stat.traceback[0]
+        rows.append(f"| `{_short(frame.filename)}:{frame.lineno}` | {stat.size_diff / 1024:+.0f} "
+                    f"| {stat.count_diff:+d} | {stat.size / 1024:.0f} |")
+    total = sum(s.size_diff for s in new.compare_to(old, "filename"))
+    rows += ["", f"All traced Python allocations: {total / 2**20:+.1f} MiB between the two."]
+    largest = new.compare_to(old, "traceback")[:1]
+    if largest:
+        rows += ["", "The call stack of the largest growth (innermost last):", "", "```",
+                 *(f"{_short(f.filename)}:{f.lineno}" for f in largest[0].traceback), "```"]
+    return rows
+
+
+def _short(filename: str) -> str:
+    """A path from its package on (site-packages and the checkout's prefix dropped)."""
+    for marker in ("site-packages/", "lib/python3.11/", "python/", "testbed/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    return filename
 
 
 def rss_by_mapping(pid: int) -> dict[str, float]:
@@ -112,13 +166,20 @@ def latency_ms(load: LoadClient, since: float, until: float) -> tuple[float, flo
     return statistics.median(done), p99
 
 
-def run(cycles: int, settle_s: float
-        ) -> tuple[list[dict[str, float]], int, int, list[tuple[str, float, float]]]:
-    """The per-cycle figures (cycle 0: before the first), requests, failed requests, and the
-    mappings of rank 0's scheduler that grew most from cycle 1 to the last."""
+def run(cycles: int, settle_s: float, heap: bool = False
+        ) -> tuple[list[dict[str, float]], int, int, list[tuple[str, float, float]], list[str]]:
+    """The per-cycle figures (cycle 0: before the first), requests, failed requests, the
+    mappings of rank 0's scheduler that grew most from cycle 1 to the last, and (``heap``) its
+    Python heap's growth from cycle 2 to the last (:func:`heap_growth`)."""
     rows: list[dict[str, float]] = []
     first_maps: dict[str, float] = {}
     last_maps: dict[str, float] = {}
+    snapshots: list[Path] = []
+    heaps: HeapSnapshots | None = None
+    if heap:
+        shutil.rmtree(SNAPSHOT_DIR, ignore_errors=True)
+        SNAPSHOT_DIR.mkdir(parents=True)
+        os.environ[ENV_SNAPSHOT_DIR] = str(SNAPSHOT_DIR)  # the servers inherit it
     # The configuration of the scale-up once seen hanging in its commit (docs/design.md).
     with LocalCluster(tiny_spec(extra_args=REPLICATED)) as cluster:
         load = LoadClient(cluster.url, concurrency=2, max_new_tokens=8).start()
@@ -140,12 +201,16 @@ def run(cycles: int, settle_s: float
                 rows.append({"cycle": cycle, **held(cluster), "p50_ms": p50, "p99_ms": p99})
                 last_maps = rss_by_mapping(cluster.primary.scheduler_pids()[0])
                 first_maps = first_maps or last_maps
+                if heap and (cycle <= 2 or cycle == cycles):
+                    heaps = heaps or HeapSnapshots(cluster.primary.scheduler_pids()[0])
+                    snapshots.append(heaps.take())  # cycle 1: the tracing starts
                 print(rows[-1], flush=True)
                 start = end
         finally:
             results = load.stop()
+    growth_rows = heap_growth(snapshots[1], snapshots[-1]) if len(snapshots) >= 3 else []
     return (rows, len(results), sum(not r.ok for r in results),
-            mapping_growth(first_maps, last_maps))
+            mapping_growth(first_maps, last_maps), growth_rows)
 
 
 def growth(rows: list[dict[str, float]], key: str) -> tuple[float, float]:
@@ -160,8 +225,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--settle-seconds", type=float, default=10.0)
+    parser.add_argument("--heap-snapshots", action="store_true",
+                        help="trace rank 0's Python heap from cycle 1 on (3 cycles at least)")
     args = parser.parse_args()
-    rows, requests, failed, mappings = run(args.cycles, args.settle_seconds)
+    rows, requests, failed, mappings, heap_rows = run(args.cycles, args.settle_seconds,
+                                                      args.heap_snapshots)
     keys = [k for k in rows[0] if k != "cycle"]
     lines = [
         *section_head(f"Soak: {args.cycles} cycles of 2 -> 3 -> 2 under load",
@@ -188,6 +256,9 @@ def main() -> None:
               "changed most from cycle 1 to the last:", "",
               "| mapping | cycle 1 (KiB) | last (KiB) | change (KiB) |", "|---|---:|---:|---:|"]
     lines += [f"| `{name}` | {a:.0f} | {b:.0f} | {b - a:+.0f} |" for name, a, b in mappings]
+    if heap_rows:
+        lines += ["", f"Rank 0's scheduler, live Python allocations (tracemalloc) from the end of "
+                  f"cycle 2 to the end of cycle {args.cycles}, by source line:", "", *heap_rows]
     lines += ["", f"{requests} requests, {failed} failed."]
     write_section("soak", "\n".join(lines))
 
