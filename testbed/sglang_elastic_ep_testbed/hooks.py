@@ -57,13 +57,10 @@ HOOKS: tuple[Hook, ...] = (
               "cpu.idle:install_idle_sleeper", "AFTER",
               "idle ranks poll 50 ms, not 1 s, and park Mooncake's spinning worker meanwhile"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.init_request_dispatcher",
-              "cpu.fault_injection:install_stall_on_signal", "AFTER",
+              "cpu.scheduler_signals:install_scheduler_signals", "AFTER",
               "e2e tests stop one scheduler's main thread with SIGUSR1 (a peer that never "
-              "enters the collective) to show what a stall report says"),
-    _cpu_hook(f"{S}managers.scheduler.Scheduler.init_request_dispatcher",
-              "cpu.heap_snapshots:install_heap_snapshot_on_signal", "AFTER",
-              "the soak asks a scheduler for Python heap snapshots with SIGUSR2 (only with "
-              "SGLANG_EEP_HEAP_SNAPSHOT_DIR set) to find what it keeps cycle over cycle"),
+              "enters the collective) to show what a stall report says; the soak asks for "
+              "Python heap snapshots with SIGUSR2 (with SGLANG_EEP_HEAP_SNAPSHOT_DIR set)"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.on_idle", "cpu.idle:idle_pass", "AROUND",
               "Mooncake's spinning worker stays parked during idle housekeeping and the poll"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.run_batch", "cpu.idle:forward_pass", "AROUND",
