@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -81,12 +82,13 @@ def heap_growth(before: Path, after: Path) -> list[str]:
     return rows
 
 
+# What comes before a source file's package: site-packages, the standard library, the checkout.
+_PACKAGE_PREFIX = re.compile(r"^.*?site-packages/|^.*?(?:lib/python3\.\d+|python|testbed)/")
+
+
 def _short(filename: str) -> str:
-    """A path from its package on (site-packages and the checkout's prefix dropped)."""
-    for marker in ("site-packages/", "lib/python3.11/", "python/", "testbed/"):
-        if marker in filename:
-            return filename.split(marker, 1)[1]
-    return filename
+    """A path from its package on."""
+    return _PACKAGE_PREFIX.sub("", filename, count=1)
 
 
 def rss_by_mapping(pid: int) -> dict[str, float]:
