@@ -9,12 +9,17 @@ for the joiner's server to exit 0. Nothing may grow cycle over cycle: the sectio
 growth from the first cycle to the last and the largest step between two cycles. With
 ``--heap-snapshots`` it also lists the Python allocations rank 0's scheduler made from the end
 of cycle 2 to the last and still holds (tracemalloc, started at the end of cycle 1: the
-cycles after that run traced, so slower). Writes docs/benchmarks.md section ``soak``.
+cycles after that run traced, so slower). With ``--malloc-stats`` each cycle also reads what
+the C heap of each staying rank's scheduler holds (glibc's ``mallinfo2``: in use, and taken
+from the system), and after the last cycle has them return their free heap (``malloc_trim``):
+whether a rank's growth is live allocations or free memory malloc kept. Writes
+docs/benchmarks.md section ``soak``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -38,7 +43,10 @@ from sglang_elastic_ep_testbed.cluster.procs import process_tree  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.waits import wait_until  # noqa: E402
 from sglang_elastic_ep_testbed.cpu.heap_snapshots import (  # noqa: E402
     ENV_SNAPSHOT_DIR,
+    ENV_TRACE_PYTHON,
+    malloc_path,
     snapshot_path,
+    trim_request_path,
 )
 
 SHM = Path("/dev/shm")
@@ -50,18 +58,24 @@ TOP_ALLOCATIONS = 10  # the source lines whose live allocations grew most
 
 
 class HeapSnapshots:
-    """SIGUSR2 snapshots of one scheduler (``cpu/heap_snapshots.py``): the first signal starts
-    the tracing, each one writes the next snapshot."""
+    """SIGUSR2 heap figures of one scheduler (``cpu/heap_snapshots.py``): each signal writes
+    its C heap's figures, and with Python tracing on, first the next tracemalloc snapshot (the
+    first signal starts the tracing)."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.taken = pid, 0
 
-    def take(self) -> Path:
-        path = snapshot_path(SNAPSHOT_DIR, self.pid, self.taken)
+    def take(self, trim: bool = False) -> tuple[Path, dict[str, dict[str, float]]]:
+        """The tracemalloc snapshot's path (written only with tracing on) and the C heap's
+        figures; ``trim``: the scheduler returns its free heap first (``malloc_trim``)."""
+        if trim:
+            trim_request_path(SNAPSHOT_DIR, self.pid).touch()
+        figures = malloc_path(SNAPSHOT_DIR, self.pid, self.taken)
         os.kill(self.pid, signal.SIGUSR2)
-        wait_until(path.exists, 300, f"heap snapshot {path.name}")
+        wait_until(figures.exists, 300, f"heap figures {figures.name}")  # written last
         self.taken += 1
-        return path
+        return (snapshot_path(SNAPSHOT_DIR, self.pid, self.taken - 1),
+                json.loads(figures.read_text()))
 
 
 def heap_growth(before: Path, after: Path) -> list[str]:
@@ -168,28 +182,54 @@ def latency_ms(load: LoadClient, since: float, until: float) -> tuple[float, flo
     return statistics.median(done), p99
 
 
-def run(cycles: int, settle_s: float, heap: bool = False
-        ) -> tuple[list[dict[str, float]], int, int, list[tuple[str, float, float]], list[str]]:
+def malloc_columns(heaps: dict[int, HeapSnapshots], trim: bool = False
+                   ) -> dict[str, float]:
+    """Per staying rank: MiB its scheduler's C heap has in use and holds from the system; with
+    ``trim``, the same and its RSS after it returned the free heap."""
+    out: dict[str, float] = {}
+    for rank, heap in sorted(heaps.items()):
+        figures = heap.take(trim=trim)[1]
+        side = "after_trim" if trim else "before_trim"
+        suffix = "_after_trim" if trim else ""
+        for name in ("in_use", "held") + (("rss",) if trim else ()):
+            out[f"malloc_{name}_rank{rank}_mib{suffix}"] = figures[side][f"{name}_kib"] / 1024
+    return out
+
+
+def run(cycles: int, settle_s: float, heap: bool = False, malloc: bool = False
+        ) -> tuple[list[dict[str, float]], int, int, list[tuple[str, float, float]], list[str],
+                   dict[str, float]]:
     """The per-cycle figures (cycle 0: before the first), requests, failed requests, the
-    mappings of rank 0's scheduler that grew most from cycle 1 to the last, and (``heap``) its
-    Python heap's growth from cycle 2 to the last (:func:`heap_growth`)."""
+    mappings of rank 0's scheduler that grew most from cycle 1 to the last, (``heap``) its
+    Python heap's growth from cycle 2 to the last (:func:`heap_growth`), and (``malloc``) the
+    staying ranks' figures after they returned their free C heap at the end. Not both: the
+    tracing slows the schedulers several times over."""
+    if heap and malloc:
+        raise ValueError("trace the Python heap or read the C heap's figures, not both")
     rows: list[dict[str, float]] = []
     first_maps: dict[str, float] = {}
     last_maps: dict[str, float] = {}
     snapshots: list[Path] = []
-    heaps: HeapSnapshots | None = None
-    if heap:
+    heaps: dict[int, HeapSnapshots] = {}
+    trimmed: dict[str, float] = {}
+    if heap or malloc:
         shutil.rmtree(SNAPSHOT_DIR, ignore_errors=True)
         SNAPSHOT_DIR.mkdir(parents=True)
         os.environ[ENV_SNAPSHOT_DIR] = str(SNAPSHOT_DIR)  # the servers inherit it
+        os.environ[ENV_TRACE_PYTHON] = "1" if heap else "0"
     # The configuration of the scale-up once seen hanging in its commit (docs/design.md).
     with LocalCluster(tiny_spec(extra_args=REPLICATED)) as cluster:
         load = LoadClient(cluster.url, concurrency=2, max_new_tokens=8).start()
         try:
             time.sleep(settle_s)
             start = time.monotonic()
+            if heap or malloc:
+                heaps = {rank: HeapSnapshots(pid)
+                         for rank, pid in cluster.primary.scheduler_pids().items()}
             rows.append({"cycle": 0, **held(cluster), **dict(zip(
                 ("p50_ms", "p99_ms"), latency_ms(load, 0.0, start), strict=True))})
+            if malloc:
+                rows[-1].update(malloc_columns(heaps))
             for cycle in range(1, cycles + 1):
                 joiner = grow_by_joiner(cluster, f"soak-{cycle}-grow")
                 post_scale(cluster.url, 2, f"soak-{cycle}-shrink")
@@ -203,16 +243,19 @@ def run(cycles: int, settle_s: float, heap: bool = False
                 rows.append({"cycle": cycle, **held(cluster), "p50_ms": p50, "p99_ms": p99})
                 last_maps = rss_by_mapping(cluster.primary.scheduler_pids()[0])
                 first_maps = first_maps or last_maps
+                if malloc:
+                    rows[-1].update(malloc_columns(heaps))
                 if heap and (cycle <= 2 or cycle == cycles):
-                    heaps = heaps or HeapSnapshots(cluster.primary.scheduler_pids()[0])
-                    snapshots.append(heaps.take())  # cycle 1: the tracing starts
+                    snapshots.append(heaps[0].take()[0])  # cycle 1: the tracing starts
                 print(rows[-1], flush=True)
                 start = end
+            if malloc:
+                trimmed = malloc_columns(heaps, trim=True)
         finally:
             results = load.stop()
     growth_rows = heap_growth(snapshots[1], snapshots[-1]) if len(snapshots) >= 3 else []
     return (rows, len(results), sum(not r.ok for r in results),
-            mapping_growth(first_maps, last_maps), growth_rows)
+            mapping_growth(first_maps, last_maps), growth_rows, trimmed)
 
 
 def growth(rows: list[dict[str, float]], key: str) -> tuple[float, float]:
@@ -229,9 +272,15 @@ def main() -> None:
     parser.add_argument("--settle-seconds", type=float, default=10.0)
     parser.add_argument("--heap-snapshots", action="store_true",
                         help="trace rank 0's Python heap from cycle 1 on (3 cycles at least)")
+    parser.add_argument("--malloc-stats", action="store_true",
+                        help="read the staying ranks' C heap figures each cycle, and have them "
+                             "return their free heap after the last")
     args = parser.parse_args()
-    rows, requests, failed, mappings, heap_rows = run(args.cycles, args.settle_seconds,
-                                                      args.heap_snapshots)
+    if args.heap_snapshots and args.malloc_stats:
+        parser.error("--heap-snapshots slows the schedulers several times over: run "
+                     "--malloc-stats on its own")
+    rows, requests, failed, mappings, heap_rows, trimmed = run(
+        args.cycles, args.settle_seconds, args.heap_snapshots, args.malloc_stats)
     keys = [k for k in rows[0] if k != "cycle"]
     lines = [
         *section_head(f"Soak: {args.cycles} cycles of 2 -> 3 -> 2 under load",
@@ -246,14 +295,16 @@ def main() -> None:
     ]
     for row in rows:
         lines.append(f"| {int(row['cycle'])} | "
-                     + " | ".join(f"{row[k]:.0f}" for k in keys) + " |")
+                     + " | ".join(f"{row[k]:.1f}" if k.endswith("_mib") else f"{row[k]:.0f}"
+                                  for k in keys) + " |")
     lines += ["", "| held by the staying ranks | cycle 1 -> last | largest rise between two "
               "cycles |", "|---|---:|---:|"]
     for key in keys:
         if key.endswith("_ms"):
             continue
         total, step = growth(rows, key)
-        lines.append(f"| {key} | {total:+.0f} | {step:+.0f} |")
+        digits = 1 if key.endswith("_mib") else 0
+        lines.append(f"| {key} | {total:+.{digits}f} | {step:+.{digits}f} |")
     lines += ["", "Rank 0's scheduler, RSS by mapping (/proc/PID/smaps), the mappings that "
               "changed most from cycle 1 to the last:", "",
               "| mapping | cycle 1 (KiB) | last (KiB) | change (KiB) |", "|---|---:|---:|---:|"]
@@ -261,6 +312,20 @@ def main() -> None:
     if heap_rows:
         lines += ["", f"Rank 0's scheduler, live Python allocations (tracemalloc) from the end of "
                   f"cycle 2 to the end of cycle {args.cycles}, by source line:", "", *heap_rows]
+    if trimmed:
+        lines += ["", "After the last cycle each staying rank's scheduler returned its free C "
+                  "heap (`malloc_trim(0)`), MiB:", "",
+                  "| rank | RSS before | RSS after | C heap held before | held after | "
+                  "in use after |", "|---:|---:|---:|---:|---:|---:|"]
+        last = rows[-1]
+        for rank in sorted(int(k.removeprefix("malloc_rss_rank").removesuffix("_mib_after_trim"))
+                           for k in trimmed if k.startswith("malloc_rss_rank")):
+            lines.append(
+                f"| {rank} | {last[f'rss_rank{rank}_mib']:.1f} "
+                f"| {trimmed[f'malloc_rss_rank{rank}_mib_after_trim']:.1f} "
+                f"| {last[f'malloc_held_rank{rank}_mib']:.1f} "
+                f"| {trimmed[f'malloc_held_rank{rank}_mib_after_trim']:.1f} "
+                f"| {trimmed[f'malloc_in_use_rank{rank}_mib_after_trim']:.1f} |")
     lines += ["", f"{requests} requests, {failed} failed."]
     write_section("soak", "\n".join(lines))
 

@@ -60,7 +60,7 @@ HOOKS: tuple[Hook, ...] = (
               "cpu.scheduler_signals:install_scheduler_signals", "AFTER",
               "e2e tests stop one scheduler's main thread with SIGUSR1 (a peer that never "
               "enters the collective) to show what a stall report says; the soak asks for "
-              "Python heap snapshots with SIGUSR2 (with SGLANG_EEP_HEAP_SNAPSHOT_DIR set)"),
+              "heap figures with SIGUSR2 (with SGLANG_EEP_HEAP_SNAPSHOT_DIR set)"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.on_idle", "cpu.idle:idle_pass", "AROUND",
               "Mooncake's spinning worker stays parked during idle housekeeping and the poll"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.run_batch", "cpu.idle:forward_pass", "AROUND",

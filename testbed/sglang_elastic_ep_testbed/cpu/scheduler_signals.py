@@ -1,6 +1,6 @@
 """The signals a CPU scheduler answers for tests and benchmarks, installed once in its main
-thread: SIGUSR1 stops it for a while (:mod:`.fault_injection`), SIGUSR2 writes a heap
-snapshot when ``SGLANG_EEP_HEAP_SNAPSHOT_DIR`` is set (:mod:`.heap_snapshots`)."""
+thread: SIGUSR1 stops it for a while (:mod:`.fault_injection`), SIGUSR2 writes its heap
+figures when ``SGLANG_EEP_HEAP_SNAPSHOT_DIR`` is set (:mod:`.heap_snapshots`)."""
 
 from __future__ import annotations
 
