@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
@@ -34,7 +35,6 @@ from sglang_elastic_ep.cli.common import (
     CliError,
 )
 from sglang_elastic_ep.cli.controller import add_controller_parser, cmd_controller
-from sglang_elastic_ep.cli.sse import iter_sse
 
 CLI_PLUGIN_GROUP = "sglang_elastic_ep.cli"
 _STATE_STYLE = {
@@ -377,10 +377,12 @@ def cmd_events(args: argparse.Namespace, console: Console) -> int:
                             + _hint(response.status_code)
                         )
                         return _exit_code_for(response.status_code)
-                    for message in iter_sse(response.iter_lines()):
-                        if message.retry_ms is not None:
-                            retry_s = message.retry_ms / 1000
-                        if message.id is not None:
+                    for message in EventSource(response).iter_sse():
+                        if message.retry is not None:
+                            retry_s = message.retry / 1000
+                        if not message.data:  # the opening block: retry and a comment
+                            continue
+                        if message.id:
                             last_id = message.id
                         try:
                             data = json.loads(message.data)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource, ServerSentEvent
 from pydantic import ValidationError
 from rich.console import Console
 from rich.text import Text
@@ -30,7 +31,6 @@ from tenacity import (
     wait_exponential,
 )
 
-from sglang_elastic_ep.cli.sse import SSEMessage, iter_sse
 from sglang_elastic_ep.controller.launchers.base import Launcher, LauncherError
 from sglang_elastic_ep.controller.launchers.template import TemplateError
 from sglang_elastic_ep.controller.load import parse_load
@@ -95,7 +95,7 @@ def _message(response: httpx.Response) -> str:
     return str(body)
 
 
-def _instance_of(message: SSEMessage) -> str | None:
+def _instance_of(message: ServerSentEvent) -> str | None:
     try:
         data = json.loads(message.data)
     except ValueError:
@@ -115,7 +115,7 @@ class EventFollower:
     def __init__(
         self,
         client: httpx.Client,
-        deliver: Callable[[SSEMessage], None],
+        deliver: Callable[[ServerSentEvent], None],
         *,
         stop: threading.Event,
         on_problem: Callable[[str], None] = lambda _: None,
@@ -148,9 +148,11 @@ class EventFollower:
             if response.status_code != 200:
                 response.read()
                 raise StreamRefused(response.status_code, _message(response))
-            for message in iter_sse(response.iter_lines()):
-                if message.retry_ms is not None:
-                    self.retry_s = message.retry_ms / 1000
+            for message in EventSource(response).iter_sse():
+                if message.retry is not None:
+                    self.retry_s = message.retry / 1000
+                if not message.data:  # the opening block: retry and a comment
+                    continue
                 instance = _instance_of(message)
                 if instance is not None and instance != self.instance_id:
                     if self.instance_id is not None and self.last_event_id != "0":
@@ -161,7 +163,7 @@ class EventFollower:
                     self.instance_id = instance
                 self.deliver(message)
                 delivered += 1
-                if message.id is not None:
+                if message.id:
                     self.last_event_id = message.id
                 if self.stop.is_set():
                     break
@@ -334,7 +336,7 @@ class ControllerLoop:
             base_url=settings.url, headers=headers, transport=transport, trust_env=False,
             timeout=httpx.Timeout(settings.http_timeout_s, read=settings.read_timeout_s),
         )
-        self._inbox: queue.SimpleQueue[SSEMessage] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[ServerSentEvent] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.follower = EventFollower(
             self.events_client, self._deliver, stop=self.stop,
@@ -395,7 +397,7 @@ class ControllerLoop:
         self.client.close()
         self.metrics_client.close()
 
-    def _deliver(self, message: SSEMessage) -> None:
+    def _deliver(self, message: ServerSentEvent) -> None:
         self._inbox.put(message)
         self._wake.set()
 
@@ -455,7 +457,7 @@ class ControllerLoop:
                 return
             self._observe(message)
 
-    def _observe(self, message: SSEMessage) -> None:
+    def _observe(self, message: ServerSentEvent) -> None:
         try:
             data = json.loads(message.data)
         except ValueError:

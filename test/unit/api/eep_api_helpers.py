@@ -1,4 +1,5 @@
-"""Shared helpers of the API tests: a fake clock and engine, an app, a real uvicorn server."""
+"""Shared helpers of the API tests: a fake clock and engine, an app, a real uvicorn server,
+and the event stream read as the clients read it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
+from httpx_sse import EventSource, ServerSentEvent
 
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
 from sglang_elastic_ep.api.routes import build_router
@@ -20,6 +23,16 @@ from sglang_elastic_ep.core.validation import ScaleTopology
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 INSTANCE = "inst-1"
+
+
+def sse_messages(text: str, *, with_data_only: bool = True) -> list[ServerSentEvent]:
+    """The messages of an event-stream body, decoded by httpx-sse as the CLI and the controller
+    decode it; the blocks without data (the stream's opening retry:) are left out unless
+    ``with_data_only`` is False."""
+    response = httpx.Response(200, headers={"Content-Type": "text/event-stream"},
+                              text=text)
+    messages = list(EventSource(response).iter_sse())
+    return [m for m in messages if m.data] if with_data_only else messages
 
 UP_PHASES = (
     Phase.PENDING,

@@ -10,7 +10,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from eep_api_helpers import INSTANCE, AutoEngine, free_port, live_server, make_app, make_plane
+from eep_api_helpers import (
+    INSTANCE,
+    AutoEngine,
+    free_port,
+    live_server,
+    make_app,
+    make_plane,
+    sse_messages,
+)
 
 from sglang_elastic_ep.api.auth import sglang_admin_auth
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
@@ -21,7 +29,6 @@ from sglang_elastic_ep.cli.main import (
     EXIT_USAGE,
     main,
 )
-from sglang_elastic_ep.cli.sse import iter_sse
 from sglang_elastic_ep.core.events import EventBatch
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
@@ -247,20 +254,22 @@ def test_events_follow_prints_new_events(
         ]
 
 
-def test_sse_parser_follows_the_event_stream_rules() -> None:
+def test_the_clients_decoder_reads_the_servers_frames_as_they_expect() -> None:
+    """The CLI and the controller read the stream with httpx-sse: the server's opening block
+    (retry: and a comment, no data) must reach them as a message without data that carries
+    the retry, and every event with its own id."""
     text = (
-        "retry: 1500\n: a comment\n\n"
+        "retry: 1500\n: instance inst-1\n\n"
         "id: 7\nevent: rank_failed\ndata: {\"a\":\ndata: 1}\n\n"
-        "data:no-space\n\n"
-        "id: 8\n\n"  # no data: dispatches nothing
+        ": keepalive\n\n"
+        "id: 8\nevent: missed\ndata: {}\n\n"
     )
-    messages = list(iter_sse(text.splitlines()))
-    assert [(m.event, m.data, m.id) for m in messages] == [
+    messages = sse_messages(text, with_data_only=False)
+    assert [(m.data, m.retry) for m in messages[:1]] == [("", 1500)]
+    assert [(m.event, m.data, m.id) for m in messages if m.data] == [
         ("rank_failed", '{"a":\n1}', "7"),
-        ("message", "no-space", None),
+        ("missed", "{}", "8"),
     ]
-    # The stream's opening retry: (a block without data) reaches the first message only.
-    assert [m.retry_ms for m in messages] == [1500, None]
 
 
 def test_cancel_exits_0_when_cancelled_3_when_committed_2_when_unknown(

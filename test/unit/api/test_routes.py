@@ -21,6 +21,7 @@ from eep_api_helpers import (
     live_server,
     make_app,
     make_plane,
+    sse_messages,
 )
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
@@ -28,7 +29,6 @@ from fastapi.testclient import TestClient
 from sglang_elastic_ep.api.auth import decide_admin_optional, sglang_admin_auth
 from sglang_elastic_ep.api.control_plane import ControlPlane, InProcessControlPlane
 from sglang_elastic_ep.api.routes import build_router, mount
-from sglang_elastic_ep.cli.sse import iter_sse
 from sglang_elastic_ep.core.api_models import (
     EVENT_ADAPTER,
     ErrorResponse,
@@ -70,7 +70,7 @@ def snapshot(client: TestClient, plane: InProcessControlPlane, engine: FakeEngin
 
 
 def sse_events(text: str) -> list[tuple[str, dict[str, Any], str | None]]:
-    return [(m.event, json.loads(m.data), m.id) for m in iter_sse(text.splitlines())]
+    return [(m.event, json.loads(m.data), m.id or None) for m in sse_messages(text)]
 
 
 def test_in_process_control_plane_satisfies_the_protocol(plane: InProcessControlPlane) -> None:
@@ -567,7 +567,7 @@ def test_events_follow_streams_live_events_keepalives_and_resumes() -> None:
                         plane.report_recovery_required([1], "heartbeat lost")
                 frame.append(line)
                 if line == "" and any(x.startswith("data:") for x in frame):
-                    (msg,) = iter_sse(frame)
+                    (msg,) = sse_messages("\n".join(frame) + "\n")
                     received.append(msg.event)
                     frame = []
                     if len(received) == 2:
@@ -586,7 +586,7 @@ def test_events_follow_streams_live_events_keepalives_and_resumes() -> None:
             for line in response.iter_lines():
                 frame.append(line)
                 if line == "":
-                    resumed += [m.id for m in iter_sse(frame)]
+                    resumed += [m.id for m in sse_messages("\n".join(frame) + "\n")]
                     frame = []
                     if len(resumed) == 2:
                         break

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 from controller_fakes import URL, FakeServer, MemoryLauncher, make_plane, metrics_text
+from httpx_sse import ServerSentEvent
 from rich.console import Console
 
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
-from sglang_elastic_ep.cli.sse import SSEMessage
 from sglang_elastic_ep.controller.launchers.base import LauncherError
 from sglang_elastic_ep.controller.loop import ControllerLoop, EventFollower, LoopSettings
 from sglang_elastic_ep.core.api_models import ScaleRequest
@@ -210,7 +210,7 @@ def test_event_stream_reconnects_with_last_event_id_and_delivers_each_event_once
         plane.report_rank_joined([rank])
     server = FakeServer(plane)
     server.events_per_connection = 2  # the connection drops after two events
-    got: list[SSEMessage] = []
+    got: list[ServerSentEvent] = []
     stop = threading.Event()
     loop, _ = make_loop(server, MemoryLauncher())
     follower = EventFollower(loop.events_client, got.append, stop=stop)
@@ -236,7 +236,7 @@ def test_a_restarted_server_is_replayed_from_its_first_event() -> None:
     for rank in range(4):
         old.report_rank_joined([rank])
     server = FakeServer(old)
-    got: list[SSEMessage] = []
+    got: list[ServerSentEvent] = []
     loop, _ = make_loop(server, MemoryLauncher())
     follower = EventFollower(loop.events_client, got.append, stop=threading.Event())
     follower.connect_once()
@@ -291,8 +291,8 @@ def test_loop_feeds_events_to_the_controller_and_survives_junk() -> None:
     server = FakeServer(plane)
     ctl = controller(max_relaunches=0)
     loop, _ = make_loop(server, MemoryLauncher(), ctl=ctl)
-    loop._deliver(SSEMessage("message", "not json", None))
-    loop._deliver(SSEMessage("future_event", json.dumps({"type": "future_event"}), "9"))
+    loop._deliver(ServerSentEvent("message", "not json"))
+    loop._deliver(ServerSentEvent("future_event", json.dumps({"type": "future_event"}), "9"))
     loop.prime()
     decision = loop.tick()
     assert [a.target for a in decision.actions if isinstance(a, ScaleTo)] == [2]
