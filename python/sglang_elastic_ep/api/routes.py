@@ -270,6 +270,8 @@ def build_router(
                     last_sent = loop.time()
                 await asyncio.sleep(poll_interval_s)
 
+        # Not sse-starlette's EventSourceResponse: importing it patches uvicorn's
+        # Server.handle_exit for the whole process, and this runs inside SGLang's server.
         return StreamingResponse(
             frames(),
             media_type="text/event-stream",
