@@ -24,6 +24,13 @@ from rich.markup import escape
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from sglang_elastic_ep.cli.common import (
     API_KEY_ENV,
@@ -103,16 +110,18 @@ def _post_scale(
     client: httpx.Client, args: argparse.Namespace, payload: dict[str, Any], console: Console
 ) -> httpx.Response:
     # Safe to retry: the operation_id makes the request idempotent.
-    last: Exception | None = None
-    for attempt in range(args.retries + 1):
-        try:
-            return client.post("/scale_elastic_ep", json=payload, headers=_headers(args))
-        except httpx.TransportError as exc:
-            last = exc
-            if attempt < args.retries:
-                console.print(f"[yellow]POST failed ({exc}); retrying with the same id[/]")
-                time.sleep(min(4.0, 0.5 * 2**attempt))
-    raise CliError(EXIT_FAILED, f"cannot reach {args.url}: {last}")
+    def say_retrying(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        console.print(f"[yellow]POST failed ({exc}); retrying with the same id[/]")
+
+    retrying = Retrying(retry=retry_if_exception_type(httpx.TransportError),
+                        stop=stop_after_attempt(args.retries + 1),
+                        wait=wait_exponential(multiplier=0.5, max=4.0),
+                        before_sleep=say_retrying, reraise=True)
+    try:
+        return retrying(client.post, "/scale_elastic_ep", json=payload, headers=_headers(args))
+    except httpx.TransportError as exc:
+        raise CliError(EXIT_FAILED, f"cannot reach {args.url}: {exc}") from exc
 
 
 def _phase_view(op: dict[str, Any] | None, header: str, started: float) -> Group:
