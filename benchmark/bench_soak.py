@@ -182,36 +182,34 @@ def latency_ms(load: LoadClient, since: float, until: float) -> tuple[float, flo
     return statistics.median(done), p99
 
 
-def malloc_columns(heaps: dict[int, HeapSnapshots], trim: bool = False
-                   ) -> dict[str, float]:
-    """Per staying rank: MiB its scheduler's C heap has in use and holds from the system; with
-    ``trim``, the same and its RSS after it returned the free heap."""
-    out: dict[str, float] = {}
-    for rank, heap in sorted(heaps.items()):
-        figures = heap.take(trim=trim)[1]
-        side = "after_trim" if trim else "before_trim"
-        suffix = "_after_trim" if trim else ""
-        for name in ("in_use", "held") + (("rss",) if trim else ()):
-            out[f"malloc_{name}_rank{rank}_mib{suffix}"] = figures[side][f"{name}_kib"] / 1024
-    return out
+def heap_figures(heaps: dict[int, HeapSnapshots], trim: bool = False
+                 ) -> dict[int, dict[str, float]]:
+    """Staying rank -> its scheduler's C heap figures in KiB (``cpu/heap_snapshots.py``);
+    with ``trim``, those after it returned its free heap."""
+    side = "after_trim" if trim else "before_trim"
+    return {rank: heap.take(trim=trim)[1][side] for rank, heap in sorted(heaps.items())}
+
+
+def malloc_columns(figures: dict[int, dict[str, float]]) -> dict[str, float]:
+    """The table's columns: MiB each rank's C heap has in use and holds from the system."""
+    return {f"malloc_{name}_rank{rank}_mib": kib[f"{name}_kib"] / 1024
+            for rank, kib in figures.items() for name in ("in_use", "held")}
 
 
 def run(cycles: int, settle_s: float, heap: bool = False, malloc: bool = False
         ) -> tuple[list[dict[str, float]], int, int, list[tuple[str, float, float]], list[str],
-                   dict[str, float]]:
+                   dict[int, dict[str, float]]]:
     """The per-cycle figures (cycle 0: before the first), requests, failed requests, the
     mappings of rank 0's scheduler that grew most from cycle 1 to the last, (``heap``) its
     Python heap's growth from cycle 2 to the last (:func:`heap_growth`), and (``malloc``) the
-    staying ranks' figures after they returned their free C heap at the end. Not both: the
-    tracing slows the schedulers several times over."""
-    if heap and malloc:
-        raise ValueError("trace the Python heap or read the C heap's figures, not both")
+    staying ranks' C heap figures after they returned their free heap at the end (not both:
+    the tracing slows the schedulers several times over)."""
     rows: list[dict[str, float]] = []
     first_maps: dict[str, float] = {}
     last_maps: dict[str, float] = {}
     snapshots: list[Path] = []
     heaps: dict[int, HeapSnapshots] = {}
-    trimmed: dict[str, float] = {}
+    trimmed: dict[int, dict[str, float]] = {}
     if heap or malloc:
         shutil.rmtree(SNAPSHOT_DIR, ignore_errors=True)
         SNAPSHOT_DIR.mkdir(parents=True)
@@ -229,7 +227,7 @@ def run(cycles: int, settle_s: float, heap: bool = False, malloc: bool = False
             rows.append({"cycle": 0, **held(cluster), **dict(zip(
                 ("p50_ms", "p99_ms"), latency_ms(load, 0.0, start), strict=True))})
             if malloc:
-                rows[-1].update(malloc_columns(heaps))
+                rows[-1].update(malloc_columns(heap_figures(heaps)))
             for cycle in range(1, cycles + 1):
                 joiner = grow_by_joiner(cluster, f"soak-{cycle}-grow")
                 post_scale(cluster.url, 2, f"soak-{cycle}-shrink")
@@ -244,13 +242,13 @@ def run(cycles: int, settle_s: float, heap: bool = False, malloc: bool = False
                 last_maps = rss_by_mapping(cluster.primary.scheduler_pids()[0])
                 first_maps = first_maps or last_maps
                 if malloc:
-                    rows[-1].update(malloc_columns(heaps))
+                    rows[-1].update(malloc_columns(heap_figures(heaps)))
                 if heap and (cycle <= 2 or cycle == cycles):
                     snapshots.append(heaps[0].take()[0])  # cycle 1: the tracing starts
                 print(rows[-1], flush=True)
                 start = end
             if malloc:
-                trimmed = malloc_columns(heaps, trim=True)
+                trimmed = heap_figures(heaps, trim=True)
         finally:
             results = load.stop()
     growth_rows = heap_growth(snapshots[1], snapshots[-1]) if len(snapshots) >= 3 else []
@@ -318,14 +316,11 @@ def main() -> None:
                   "| rank | RSS before | RSS after | C heap held before | held after | "
                   "in use after |", "|---:|---:|---:|---:|---:|---:|"]
         last = rows[-1]
-        for rank in sorted(int(k.removeprefix("malloc_rss_rank").removesuffix("_mib_after_trim"))
-                           for k in trimmed if k.startswith("malloc_rss_rank")):
+        for rank, after in sorted(trimmed.items()):
             lines.append(
-                f"| {rank} | {last[f'rss_rank{rank}_mib']:.1f} "
-                f"| {trimmed[f'malloc_rss_rank{rank}_mib_after_trim']:.1f} "
+                f"| {rank} | {last[f'rss_rank{rank}_mib']:.1f} | {after['rss_kib'] / 1024:.1f} "
                 f"| {last[f'malloc_held_rank{rank}_mib']:.1f} "
-                f"| {trimmed[f'malloc_held_rank{rank}_mib_after_trim']:.1f} "
-                f"| {trimmed[f'malloc_in_use_rank{rank}_mib_after_trim']:.1f} |")
+                f"| {after['held_kib'] / 1024:.1f} | {after['in_use_kib'] / 1024:.1f} |")
     lines += ["", f"{requests} requests, {failed} failed."]
     write_section("soak", "\n".join(lines))
 

@@ -50,19 +50,27 @@ def test_the_first_signal_starts_tracing_and_later_ones_see_what_was_kept(
     assert len(kept) == 256
 
 
+@pytest.fixture
+def libc() -> ctypes.CDLL:
+    """The C library, typed for the calls these tests make to put blocks on the C heap."""
+    lib = ctypes.CDLL(None)
+    lib.malloc.restype = ctypes.c_void_p
+    lib.malloc.argtypes = [ctypes.c_size_t]
+    lib.free.argtypes = [ctypes.c_void_p]
+    lib.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    return lib
+
+
 def read_malloc(directory: Path, index: int) -> dict[str, dict[str, float]]:
     return json.loads(heap_snapshots.malloc_path(directory, os.getpid(), index).read_text())
 
 
 def test_each_signal_writes_the_c_heap_figures_and_python_stays_untraced_by_default(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_sigusr2: None) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_sigusr2: None,
+        libc: ctypes.CDLL) -> None:
     monkeypatch.setenv(heap_snapshots.ENV_SNAPSHOT_DIR, str(tmp_path))
     monkeypatch.delenv(heap_snapshots.ENV_TRACE_PYTHON, raising=False)
     heap_snapshots.install_heap_snapshot_on_signal(None, object())
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
     os.kill(os.getpid(), signal.SIGUSR2)
     blocks = [libc.malloc(1 << 10) for _ in range(4096)]  # 4 MiB of small blocks, held
     os.kill(os.getpid(), signal.SIGUSR2)
@@ -78,14 +86,10 @@ def test_each_signal_writes_the_c_heap_figures_and_python_stays_untraced_by_defa
 
 
 def test_a_trim_request_gives_the_free_heap_back_and_records_both_sides(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_sigusr2: None) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_sigusr2: None,
+        libc: ctypes.CDLL) -> None:
     monkeypatch.setenv(heap_snapshots.ENV_SNAPSHOT_DIR, str(tmp_path))
     heap_snapshots.install_heap_snapshot_on_signal(None, object())
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     blocks = [libc.malloc(1 << 10) for _ in range(16384)]  # 16 MiB, touched, then freed
     fence = libc.malloc(1 << 10)  # above them: free() alone cannot shrink the heap's top
     for block in blocks:

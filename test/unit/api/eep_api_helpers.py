@@ -34,6 +34,7 @@ def sse_messages(text: str, *, with_data_only: bool = True) -> list[ServerSentEv
     messages = list(EventSource(response).iter_sse())
     return [m for m in messages if m.data] if with_data_only else messages
 
+
 UP_PHASES = (
     Phase.PENDING,
     Phase.JOINING,

@@ -21,8 +21,11 @@ import json
 import os
 import signal
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from sglang_elastic_ep_testbed.cpu.idle import env_flag
 
 ENV_SNAPSHOT_DIR = "SGLANG_EEP_HEAP_SNAPSHOT_DIR"
 ENV_TRACE_PYTHON = "SGLANG_EEP_HEAP_SNAPSHOT_PYTHON"
@@ -56,14 +59,13 @@ def rss_kib() -> float:
 
 def malloc_figures(libc: ctypes.CDLL) -> dict[str, float]:
     """KiB: what malloc hands out now (small blocks plus mmapped large ones), what it holds
-    from the system, the free part of that, and the process's RSS."""
+    from the system, and the process's RSS."""
     info = libc.mallinfo2()
     return {"in_use_kib": (info.uordblks + info.hblkhd) / 1024,
-            "held_kib": (info.arena + info.hblkhd) / 1024,
-            "free_kib": info.fordblks / 1024, "rss_kib": rss_kib()}
+            "held_kib": (info.arena + info.hblkhd) / 1024, "rss_kib": rss_kib()}
 
 
-def write_atomically(path: Path, write: Any) -> None:
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(path.name + ".partial")
     write(tmp)
     tmp.rename(path)  # the reader waits for the final name: never half a file
@@ -75,7 +77,7 @@ def install_heap_snapshot_on_signal(result: Any, scheduler: Any, *args: Any,
     directory = os.environ.get(ENV_SNAPSHOT_DIR)
     if not directory:
         return
-    trace_python = os.environ.get(ENV_TRACE_PYTHON, "0") == "1"
+    trace_python = env_flag(ENV_TRACE_PYTHON, default=False)
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = MallInfo2
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
