@@ -2,11 +2,13 @@
 
 A 2-rank server (NIXL EP, ``--max-ep-size 3``) and a controller allowed 2..3 ranks, launching
 joiners from a command template. A load client starts: the controller posts a scale-up and
-launches the joiner for rank 2, and the cluster serves on three shards. The joiner is then
-killed with SIGKILL: the controller relaunches it in recover mode and the cluster is back at
-full size. The load stops: the controller shrinks back to 2 and the joiner exits 0. Throughout,
-no request fails except those the killed rank held (503 with a message), and every completed
-request decoded the reference tokens.
+launches the joiner for rank 2, and the cluster serves on three shards. The joiner's scheduler
+then stops in its pass while its process lives on (``cpu/fault_injection.py``): every rank
+waits for it and serving stalls. Once the status has said ``stalled`` for
+``--heal-stall-after``, the controller ends the joiner and relaunches it in recover mode, and
+the cluster is back at full size. The load stops: the controller shrinks back to 2 and the
+joiner exits 0. Throughout, no request fails except those the stall held when the rank ended
+(503 with a message), and every completed request decoded the reference tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -22,10 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
-from sglang_elastic_ep_testbed.cluster.launcher import JOINER_PORT_DELTA, server_env
+from sglang_elastic_ep_testbed.cluster.launcher import (
+    JOINER_PORT_DELTA,
+    ServerProcess,
+    server_env,
+)
 from sglang_elastic_ep_testbed.cluster.load import (
     DEFAULT_PROMPTS,
     generate,
@@ -41,6 +49,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
 )
 from sglang_elastic_ep_testbed.cluster.procs import kill_tree
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
+from sglang_elastic_ep_testbed.cpu.fault_injection import ENV_STALL_S
 
 JOINED_S = 600  # load seen, POST, the joiner started beside two busy ranks, committed
 RECOVERED_S = 600
@@ -48,6 +57,11 @@ SHRUNK_S = 240
 SERVES_S = 180
 FAULT_SEEN_S = 90
 LOAD_CLIENTS = 6
+STALL_TIMEOUT_S = 10  # the server reports the stall
+HEAL_STALL_AFTER_S = 15  # the controller ends the stuck joiner
+KILL_GRACE_S = 30
+# From the stall to the stuck joiner's end: reported, healed, its SIGTERM's grace.
+STALL_ENDED_S = STALL_TIMEOUT_S + HEAL_STALL_AFTER_S + KILL_GRACE_S + 15
 
 
 class ControllerProcess:
@@ -133,7 +147,8 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
     spec = ClusterSpec(
         tiny_model, ep_size=2, max_ep_size=3, moe_a2a_backend="nixl",
         # Every expert on every launch-time rank: outputs stay identical while rank 2 is down.
-        extra_args=["--ep-num-redundant-experts", "16", "--enable-metrics"],
+        extra_args=["--ep-num-redundant-experts", "16", "--enable-metrics",
+                    "--elastic-ep-stall-timeout", str(STALL_TIMEOUT_S)],
     )
     deployment = f"e2e-{uuid.uuid4().hex[:8]}"
     joiner_logs = tmp_path / "joiners"
@@ -157,13 +172,16 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
              "--scale-up-load", "0.5", "--scale-down-load", "0.1", "--no-kv",
              "--up-window", "0", "--down-window", "30", "--cooldown", "5",
              "--poll-interval", "1", "--heal-retry", "5", "--max-relaunches", "2",
+             "--heal-stall-after", str(HEAL_STALL_AFTER_S),
              "--deployment", deployment, "--launcher", "local", "--command", template,
              "--dist-init-addr", f"127.0.0.1:{cluster.dist_port}",
              "--port-base", str(joiner_port - 2), "--log-dir", str(joiner_logs),
-             "--kill-grace", "30"],
+             "--kill-grace", str(KILL_GRACE_S)],
             # The joiners inherit it: the CPU settings, the cluster's store port and tag (its
-            # teardown finds them), rank 2's core.
-            env={**os.environ, **server_env(cluster.env, first_rank=2, ranks=1)},
+            # teardown finds them), rank 2's core, and a stall on SIGUSR1 that outlasts the
+            # scenario.
+            env={**os.environ, **server_env(cluster.env, first_rank=2, ranks=1),
+                 ENV_STALL_S: "3600"},
             log_path=tmp_path / "controller.log",
         )
         try:
@@ -181,12 +199,14 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
                 (scale_log,) = joiner_logs.glob(f"{deployment}-r2-scale-*.log")
                 wait_each_shard_serves(load, [0, 1, 2], SERVES_S, logs={2: scale_log})
 
-                # 2. The joiner dies: the controller relaunches it in recover mode.
-                killed_at = time.monotonic()
-                kill_tree(int(launched["handle"]), hard=True)
+                # 2. The joiner's scheduler stops in its pass, its process alive: every rank
+                # waits for it. The controller ends it and relaunches it in recover mode.
+                stalled_at = time.monotonic()
+                (scheduler,) = ServerProcess.scheduler_pids_of(int(launched["handle"])).values()
+                psutil.Process(scheduler).send_signal(signal.SIGUSR1)
                 relaunched = controller.wait_record(
                     result_for("relaunched", 2), "the controller relaunches rank 2",
-                    FAULT_SEEN_S + 120, server=lambda: server_now(cluster))
+                    STALL_ENDED_S + 120, server=lambda: server_now(cluster))
                 assert relaunched["handle"] != launched["handle"]
                 recovered = wait_rank_state(url, 2, "active", RECOVERED_S)
                 assert recovered["effective_ep_size"] == 3, recovered
@@ -217,9 +237,9 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
             assert ended["exit_code"] == 0 or (terminated and ended["exit_code"] == -15), ended
 
             lost = [r for r in results if not r.ok]
-            for r in lost:  # only what rank 2 held when it died, and said so
+            for r in lost:  # only what the stall held when rank 2 ended, and said so
                 assert r.lost_to_a_fault, r
-                assert r.started < killed_at + FAULT_SEEN_S
+                assert r.started < stalled_at + STALL_ENDED_S + FAULT_SEEN_S
             assert len(lost) <= most_lost_to_a_kill(LOAD_CLIENTS), \
                 f"more requests lost than a kill may cost: {lost}"
             changed = [r for r in results if r.ok and r.output_ids != reference[r.prompt]]
@@ -236,6 +256,9 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
             assert ops[shrink["operation_id"]][0] == "scale_requested", ops
             relaunch = next(r for r in records if r.get("action") == "relaunch")
             assert (relaunch["rank_offset"], relaunch["join_mode"]) == (2, "recover")
+            assert "while serving stalled" in relaunch["message"], relaunch
+            assert any(r.get("type") == "hold" and "serving stalled for" in r["message"]
+                       for r in records), records
             assert [r["purpose"] for r in records if r.get("action") == "scale"] == [
                 "grow", "shrink"], records
         finally:

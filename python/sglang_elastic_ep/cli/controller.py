@@ -151,6 +151,10 @@ def add_controller_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                       help="a replacement not rejoined after this many seconds counts as failed")
     heal.add_argument("--heal-retry", type=_number(float, 0), default=15.0,
                       help="seconds to wait before retrying a removal the server refused")
+    heal.add_argument("--heal-stall-after", type=_number(float, 0), default=120.0,
+                      help="when serving has stalled this many seconds (the status's "
+                      "stalled_s), end the stuck ranks and relaunch them in recover mode; "
+                      "0: only report the stall")
     heal.add_argument("--no-heal", action="store_true",
                       help="report failed ranks but do not relaunch or remove them")
 
@@ -239,6 +243,7 @@ def build_controller_config(args: argparse.Namespace) -> ControllerConfig:
             max_relaunches=args.max_relaunches,
             recover_timeout_s=args.recover_timeout,
             heal_retry_s=args.heal_retry,
+            heal_stall_after_s=args.heal_stall_after,
             autoscale=not args.no_autoscale,
             heal=not args.no_heal,
             op_prefix=args.op_prefix,

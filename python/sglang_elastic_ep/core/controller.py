@@ -18,13 +18,15 @@ server never saw those); a restarted controller starts these afresh.
 Rules, in order, on every decision:
 
 1. Processes of ranks the server lists ``safe_to_terminate`` are terminated, and no other
-   process ever is, except the previous process of a rank the server reports failed or
-   hard-blocked, which its replacement takes over (``Relaunch``).
+   process ever is, except the previous process of a rank the server reports failed,
+   hard-blocked or stuck, which its replacement takes over (``Relaunch``).
 2. One operation at a time: while one runs (anyone's), the only actions are launching the
    joiners of a running scale-up that have none yet, and cancelling a scale-up of this
    controller's whose joiner exited before its commit point.
-3. A failed rank (status ``failed``) or slow one (health ``hard_blocked``) is relaunched in
-   recover mode (``<prefix>-recover-r<rank>-e<event id of the fault>-<attempt>``); after
+3. A failed rank (status ``failed``), a slow one (health ``hard_blocked``), or one stuck
+   while serving has stalled for ``heal_stall_after_s`` (``core.stall.ranks_to_end``) is
+   relaunched in recover mode
+   (``<prefix>-recover-r<rank>-e<event id of the fault>-<attempt>``); after
    ``max_relaunches`` relaunches that failed again it is removed with a scale-down of the
    failed tail (or past failed ranks with active ranks above them, which drain), and a
    scale-up then restores the size it had. A relaunch brings back any rank: a failed tail of
@@ -55,6 +57,7 @@ from sglang_elastic_ep.core.api_models import (
 )
 from sglang_elastic_ep.core.autoscaler import Autoscaler, AutoscalerConfig, LoadSample
 from sglang_elastic_ep.core.phases import Phase
+from sglang_elastic_ep.core.stall import ranks_to_end
 
 
 class JoinMode(str, enum.Enum):
@@ -179,6 +182,9 @@ class ControllerConfig:
     max_relaunches: int = 2  # recover relaunches of one rank before it is removed instead
     recover_timeout_s: float = 900.0  # a replacement not back by then counts as failed
     heal_retry_s: float = 15.0  # wait after a failed removal before trying again
+    # Serving stalled this long (the status's ``stalled_s``): end the stuck ranks and relaunch
+    # them as failed ones; 0 never does.
+    heal_stall_after_s: float = 120.0
     request_timeout_s: float = 120.0  # forget an asked-for operation the status never shows
     autoscale: bool = True
     heal: bool = True
@@ -196,7 +202,8 @@ class ControllerConfig:
             )
         if self.max_relaunches < 0:
             raise ValueError("max_relaunches must be >= 0")
-        if min(self.recover_timeout_s, self.heal_retry_s, self.request_timeout_s) < 0:
+        if min(self.recover_timeout_s, self.heal_retry_s, self.request_timeout_s,
+               self.heal_stall_after_s) < 0:
             raise ValueError("timeouts must be >= 0 seconds")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}", self.op_prefix):
             raise ValueError(
@@ -372,6 +379,22 @@ class ElasticController:
             else:
                 holds.append(Hold(f"rank(s) {_ranks(troubled)} failed; healing is off (--no-heal)",
                                   {"troubled": _troubled_inputs(troubled)}))
+            return Decision(tuple(actions), tuple(holds))
+
+        stall = status.stalled
+        if stall is not None:
+            # No resize while passes do not complete: it would wait behind the stall.
+            self._policy.decide(self._sample(status, now, busy=True))
+            after = self.config.heal_stall_after_s
+            if not self.config.heal or after == 0:
+                then = "healing stalls is off (--no-heal or --heal-stall-after 0)"
+            elif stall.stalled_s < after:
+                then = f"its stuck ranks are relaunched from --heal-stall-after {after:g} s on"
+            else:
+                then = ("no rank to end: where each scheduler is could not be read (start the "
+                        "server with --dist-init-addr) or none is stuck in a pass")
+            holds.append(Hold(f"serving stalled for {stall.stalled_s:.0f} s ({stall.message}); "
+                              f"{then}", {"stalled_s": stall.stalled_s}))
             return Decision(tuple(actions), tuple(holds))
 
         if released:
@@ -552,6 +575,15 @@ class ElasticController:
             for rank in health.ranks:
                 if rank.hard_blocked and rank.rank in active and rank.rank not in troubled:
                     troubled[rank.rank] = "slow (hard-blocked by the health check)"
+        stall = status.stalled
+        after = self.config.heal_stall_after_s
+        # With a rank failed, the survivors' stall is that failure's handling (they wait for
+        # Mooncake to count it out): its replacement is the way on, not another end.
+        if (self.config.heal and stall is not None and 0 < after <= stall.stalled_s
+                and "failed" not in troubled.values()):
+            stuck = ranks_to_end(stall.ranks, active, self.config.first_own_rank)
+            for rank, why in stuck.items():
+                troubled.setdefault(rank, why)
         return dict(sorted(troubled.items()))
 
     def _failures(self, status: StatusResponse, span: range) -> int:
@@ -590,9 +622,12 @@ class ElasticController:
             span = range(offset, offset + step)
             why = {r: troubled[r] for r in span if r in troubled}
             if offset < own:
+                # Rank 0 hosts the HTTP server: no relaunch of it rejoins anything.
+                then = ("restart the deployment (rank 0 hosts the HTTP server)" if 0 in why
+                        else "relaunch their node with --ep-join-mode recover")
                 holds.append(Hold(
                     f"rank(s) {_ranks(why)} {_what(why)}: launch-time rank(s) (below "
-                    f"--launch-size {own}); relaunch their node with --ep-join-mode recover",
+                    f"--launch-size {own}); {then}",
                     {"troubled": _troubled_inputs(why)},
                 ))
                 continue

@@ -88,3 +88,38 @@ def describe_positions(positions: list[RankPosition]) -> str:
     if stopped:
         clauses.append(f"ranks {stopped} stopped reporting (process stopped or dead)")
     return "; ".join(clauses)
+
+
+def ranks_to_end(positions: list[RankPosition], active: Collection[int],
+                 own_from: int) -> dict[int, str]:
+    """The schedulers of a stalled deployment whose end lets the others' passes go on, each
+    with why; ``own_from``: the lowest rank an orchestrator may end and relaunch (the ranks
+    below are the launch-time server's, only named).
+
+    The one holding the others up: a scheduler that stopped reporting, else one a pass behind
+    the rest, else (all in the same step of the same pass) each of them. When that names no
+    rank from ``own_from`` on, the highest live one from there is ended instead: a collective
+    waiting on a peer whose process ended goes on without it (Mooncake probes a silent peer's
+    liveness once the collective times out), so ending any member frees the others."""
+    live = [p for p in positions if p.rank in active]
+    stopped = [p for p in live if p.report_age_s > STOPPED_AFTER_S]
+    reporting = [p for p in live if p.report_age_s <= STOPPED_AFTER_S]
+    if stopped:
+        culprits = {p.rank: f"stopped reporting {p.report_age_s:.0f} s ago while serving "
+                            "stalled" for p in stopped}
+    else:
+        ahead = max((p.passes for p in reporting), default=0)
+        behind = [p for p in reporting if p.passes < ahead]
+        stuck = behind or [p for p in reporting if p.step not in RESTING_STEPS]
+        culprits = {p.rank: f"stuck in step '{p.step}' for {p.in_step_s:.0f} s"
+                            + (", a pass behind the others," if behind else "")
+                            + " while serving stalled" for p in stuck}
+    own = {rank: why for rank, why in culprits.items() if rank >= own_from}
+    if own or not culprits:
+        return own or culprits
+    peers = [p for p in reporting if p.rank >= own_from]
+    if not peers:
+        return culprits
+    freer = max(peers, key=lambda p: p.rank)
+    return {freer.rank: f"waits with rank(s) {sorted(culprits)} while serving stalled: ending "
+                        "it frees their collective"}

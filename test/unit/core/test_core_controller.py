@@ -15,9 +15,11 @@ from sglang_elastic_ep.core.api_models import (
     OperationStatus,
     RankFailedEvent,
     RankHealthStatus,
+    RankPosition,
     RankRecoveredEvent,
     RecoveryRequiredEvent,
     ScaleCommittedEvent,
+    StallStatus,
     StatusResponse,
 )
 from sglang_elastic_ep.core.autoscaler import AutoscalerConfig
@@ -497,6 +499,80 @@ def test_a_failed_launch_time_rank_is_reported_not_relaunched() -> None:
     assert "launch-time" in decision.holds[0].reason
 
 
+def stalled(s: StatusResponse, seconds: float,
+            positions: Sequence[tuple[int, str, int, float]]) -> StatusResponse:
+    """``s`` stalled for ``seconds``, each scheduler at (rank, step, passes, report age)."""
+    ranks = [RankPosition(rank=r, step=step, in_step_s=seconds, passes=passes,
+                          report_age_s=age) for r, step, passes, age in positions]
+    stall = StallStatus(since=1000.0 - seconds, stalled_s=seconds, waiting_requests=2,
+                        phase=s.phase, ranks=ranks, message="ranks in step 'gather'")
+    return s.model_copy(update={"stalled": stall})
+
+
+# Rank 0's collective never completes a pass behind; ranks 1 and 2 wait in the next one.
+RANK_0_BEHIND = [(0, "gather", 40, 0.5), (1, "gather", 41, 0.5), (2, "gather", 41, 0.5)]
+
+
+def test_a_stall_holds_resizes_then_its_stuck_own_rank_is_relaunched() -> None:
+    c = ElasticController(config(heal_stall_after_s=120))
+    early = step(c, 100, stalled(status(3), 70, RANK_0_BEHIND), load=HOT)
+    assert early.actions == ()
+    assert "serving stalled for 70 s" in early.holds[0].reason
+    assert "--heal-stall-after 120" in early.holds[0].reason
+    # Past the threshold: rank 2 (this controller's) is ended and relaunched; its end frees
+    # rank 0's collective.
+    action = only(step(c, 150, stalled(status(3), 130, RANK_0_BEHIND), load=HOT), Relaunch)
+    assert (action.spec.rank_offset, action.spec.mode, action.spec.operation_id) == \
+        (2, JoinMode.RECOVER, "ctl-recover-r2-e0-1")
+    assert "waits with rank(s) [0]" in action.reason
+    # The stall goes on while the survivors notice the end: no second replacement; nor once
+    # the failure shows, under its event's id.
+    replacement = launch(2, "ctl-recover-r2-e0-1", mode=JoinMode.RECOVER, started=150)
+    gone = [(0, "gather", 40, 0.5), (1, "gather", 41, 0.5), (2, "gather", 41, 20.0)]
+    later = step(c, 170, stalled(status(3), 150, gone), launches=[replacement])
+    assert later.actions == () and "waiting for the replacement" in later.holds[0].reason
+    # Once rank 2 shows failed, the survivors' stall is that failure's: nothing more is ended
+    # and no launch-time rank is named.
+    e = Event()
+    c.observe_event(e.failed(2))
+    waiting = [(0, "gather", 41, 0.5), (1, "gather", 41, 0.5)]
+    failed = step(c, 190, stalled(status(3, failed=[2]), 170, waiting), launches=[replacement])
+    assert failed.actions == ()
+    assert [h.reason for h in failed.holds] == [
+        "waiting for the replacement of rank(s) 2 (ctl-recover-r2-e0-1) to rejoin"]
+
+
+def test_a_stopped_own_rank_is_relaunched_and_stuck_launch_time_ranks_only_reported() -> None:
+    c = ElasticController(config(heal_stall_after_s=60))
+    stopped = [(0, "gather", 9, 0.5), (1, "gather", 9, 0.5), (2, "forward", 9, 45.0)]
+    action = only(step(c, 100, stalled(status(3), 61, stopped)), Relaunch)
+    assert action.spec.rank_offset == 2 and "stopped reporting 45 s ago" in action.reason
+    # Only launch-time ranks: nothing to end; the hold says what works.
+    c = ElasticController(config(heal_stall_after_s=60))
+    stuck = step(c, 100, stalled(status(2), 61, [(0, "gather", 8, 0.5), (1, "gather", 9, 0.5)]))
+    assert stuck.actions == ()
+    assert "rank(s) 0" in stuck.holds[0].reason and "restart the deployment" in \
+        stuck.holds[0].reason
+    behind_1 = step(ElasticController(config(heal_stall_after_s=60)), 100,
+                    stalled(status(2), 61, [(0, "gather", 9, 0.5), (1, "forward", 8, 0.5)]))
+    assert behind_1.actions == ()
+    assert "relaunch their node with --ep-join-mode recover" in behind_1.holds[0].reason
+
+
+@pytest.mark.parametrize("kw", [{"heal_stall_after_s": 0}, {"heal": False}])
+def test_with_stall_healing_off_a_stall_is_only_reported(kw: dict[str, Any]) -> None:
+    decision = step(ElasticController(config(**kw)), 100,
+                    stalled(status(3), 500, RANK_0_BEHIND), load=HOT)
+    assert decision.actions == ()
+    assert "healing stalls is off" in decision.holds[0].reason
+
+
+def test_a_stall_without_positions_names_what_is_missing() -> None:
+    decision = step(ElasticController(config(heal_stall_after_s=60)), 100,
+                    stalled(status(3), 500, []), load=HOT)
+    assert decision.actions == () and "--dist-init-addr" in decision.holds[0].reason
+
+
 # --- resuming from the server's state ---------------------------------------------------
 
 
@@ -574,6 +650,7 @@ def test_operation_ids_round_trip_and_foreign_ids_are_ignored() -> None:
     {"max_relaunches": -1},
     {"op_prefix": "bad prefix"},
     {"recover_timeout_s": -1},
+    {"heal_stall_after_s": -1},
 ])
 def test_bad_controller_config_is_rejected(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):

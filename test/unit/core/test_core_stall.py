@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_elastic_ep.core.api_models import RankPosition
-from sglang_elastic_ep.core.stall import StallDetector, stuck_in_a_pass
+from sglang_elastic_ep.core.stall import StallDetector, ranks_to_end, stuck_in_a_pass
 
 
 def test_waiting_requests_without_answers_stall_after_the_threshold() -> None:
@@ -41,8 +41,9 @@ def test_a_threshold_must_be_positive(threshold: float) -> None:
         StallDetector(threshold)
 
 
-def _at(rank: int, step: str, in_step_s: float, report_age_s: float = 0.5) -> RankPosition:
-    return RankPosition(rank=rank, step=step, in_step_s=in_step_s, passes=7,
+def _at(rank: int, step: str, in_step_s: float, report_age_s: float = 0.5,
+        passes: int = 7) -> RankPosition:
+    return RankPosition(rank=rank, step=step, in_step_s=in_step_s, passes=passes,
                         report_age_s=report_age_s)
 
 
@@ -64,3 +65,40 @@ def test_a_stopped_or_not_serving_rank_is_not_counted_as_stuck() -> None:
     assert stuck_in_a_pass([dead], [0, 1, 2], 10.0) is None
     # A rank outside the serving set (removed, released) is not looked at.
     assert stuck_in_a_pass([_at(3, "gather", 300.0)], [0, 1, 2], 10.0) is None
+
+
+def test_the_rank_to_end_is_the_one_holding_the_others_up_when_an_orchestrator_owns_it() -> None:
+    active = [0, 1, 2, 3]
+    # One stopped reporting: it is the one (the others wait for it in the gather).
+    stopped = [_at(0, "gather", 80.0), _at(1, "gather", 80.0), _at(2, "forward", 95.0, 30.0),
+               _at(3, "gather", 80.0)]
+    assert list(ranks_to_end(stopped, active, own_from=2)) == [2]
+    assert "stopped reporting 30 s ago" in ranks_to_end(stopped, active, own_from=2)[2]
+    # One a pass behind the rest.
+    behind = [_at(0, "gather", 80.0, passes=9), _at(1, "gather", 80.0, passes=9),
+              _at(2, "gather", 80.0, passes=9), _at(3, "gather", 81.0, passes=8)]
+    assert list(ranks_to_end(behind, active, own_from=2)) == [3]
+    assert "a pass behind" in ranks_to_end(behind, active, own_from=2)[3]
+    # All in one step of one pass: each is named.
+    together = [_at(r, "scale-up to 4", 70.0) for r in active]
+    assert list(ranks_to_end(together, active, own_from=2)) == [2, 3]
+
+
+def test_when_a_launch_time_rank_holds_the_others_up_the_highest_own_peer_is_ended() -> None:
+    # Rank 0's collective never completes a pass behind; rank 2 waits for it in the next
+    # one. Ending rank 2 frees rank 0's collective (its peer's liveness probe fails).
+    stuck = [_at(0, "gather", 97.0, passes=40), _at(1, "gather", 97.0, passes=41),
+             _at(2, "gather", 97.0, passes=41)]
+    chosen = ranks_to_end(stuck, [0, 1, 2], own_from=2)
+    assert list(chosen) == [2] and "waits with rank(s) [0]" in chosen[2]
+    # No rank an orchestrator owns: the launch-time ones holding the others up are named.
+    assert list(ranks_to_end(stuck, [0, 1, 2], own_from=3)) == [0]
+
+
+def test_no_rank_to_end_without_positions_or_a_stuck_scheduler() -> None:
+    assert ranks_to_end([], [0, 1, 2], own_from=2) == {}
+    resting = [_at(0, "idle", 90.0), _at(1, "idle", 90.0), _at(2, "idle", 90.0)]
+    assert ranks_to_end(resting, [0, 1, 2], own_from=2) == {}
+    # A rank no longer active (failed, removed) is not ended again.
+    gone = [_at(0, "gather", 90.0), _at(2, "forward", 95.0, 40.0)]
+    assert list(ranks_to_end(gone, [0, 1], own_from=2)) == [0]
