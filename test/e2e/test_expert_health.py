@@ -39,7 +39,7 @@ from sglang_elastic_ep.sglang.expert_health import REPORT_KEY
 from sglang_elastic_ep.sglang.expert_timing import ENV_TEST_SLOW_EXPERTS
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.load import greedy_reference
-from sglang_elastic_ep_testbed.cluster.observe import sse_events, wait_status
+from sglang_elastic_ep_testbed.cluster.observe import metric, sse_events, wait_status
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.cpu.fault_injection import ENV_STALL_S
@@ -126,7 +126,7 @@ def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> N
                     "--elastic-ep-health-interval", "1",
                     "--elastic-ep-slow-expert-checks", "5",
                     "--elastic-ep-slow-expert-threshold", "5",
-                    "--elastic-ep-stall-timeout", str(STALL_TIMEOUT_S)],
+                    "--elastic-ep-stall-timeout", str(STALL_TIMEOUT_S), "--enable-metrics"],
     )
     cluster = LocalCluster(spec)
     cluster.env[ENV_TEST_SLOW_EXPERTS] = "2:200"
@@ -192,11 +192,13 @@ def test_a_rank_with_slow_experts_is_reported_and_blocked(tiny_model: Path) -> N
                 assert "no scheduler has answered" in stalled["message"], stalled
                 health = httpx.get(url + "/elastic_ep/health", timeout=30).json()
                 assert health["stalled"] is not None, health
+                assert metric(url, "sglang:elastic_ep_stalled_seconds") >= STALL_TIMEOUT_S
             finally:
                 for proc in schedulers:
                     proc.resume()
             wait_status(url, lambda s: s if s["stalled"] is None else None, 60,
                         "the stall clears once the schedulers answer")
+            assert metric(url, "sglang:elastic_ep_stalled_seconds") == 0.0
         finally:
             after = waiting.stop()
         assert after and all(r.ok for r in after), after[:3]

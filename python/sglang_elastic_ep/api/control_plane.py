@@ -440,7 +440,8 @@ class InProcessControlPlane:
             if self._stalled is not None:
                 logger.warning("elastic EP: serving resumed after a stall of %.0f s",
                                self._clock() - self._stalled.since)
-            self._stalled = None
+                self._stalled = None
+                self.refresh_metrics()
             return
         now = self._clock()
         phase = self.status().phase
@@ -463,6 +464,7 @@ class InProcessControlPlane:
                      "show where. Serving resumes by itself if the peer arrives; else restart "
                      "it"),
         )
+        self.refresh_metrics()
 
     # --- engine -> control plane --------------------------------------------------------
 

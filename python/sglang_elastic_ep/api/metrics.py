@@ -20,6 +20,7 @@ Names follow SGLang's ``sglang:`` prefix:
 | ``sglang:elastic_ep_operations_total`` | counter | ``kind``, ``result`` |
 | ``sglang:elastic_ep_phase_duration_seconds`` | histogram | ``kind``, ``phase`` |
 | ``sglang:elastic_ep_degraded_seconds_total`` | counter | |
+| ``sglang:elastic_ep_stalled_seconds`` | gauge | |
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ class ElasticEPMetrics:
             buckets=PHASE_BUCKETS,
             **kw,
         )
+        self.stalled_seconds = gauge(
+            "stalled_seconds",
+            "How long serving has been stalled (passes no longer complete; the status's "
+            "stalled_s), 0 while it runs",
+        )
         self.degraded_seconds = prom.Counter(
             PREFIX + "degraded_seconds",
             "Seconds spent serving with at least one failed EP rank",
@@ -107,6 +113,7 @@ class ElasticEPMetrics:
         self.active_ranks.set(active)
         self.failed_ranks.set(failed)
         self.operation_running.set(1 if status.current_operation is not None else 0)
+        self.stalled_seconds.set(status.stalled.stalled_s if status.stalled is not None else 0)
         now = self._clock()
         with self._lock:
             if self._degraded_since is not None:

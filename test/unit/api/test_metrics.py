@@ -96,6 +96,23 @@ async def test_degraded_seconds_accrue_only_while_a_rank_is_failed(
     assert value(registry, "failed_ranks") == 0
 
 
+def test_the_stall_gauge_follows_the_stall_watch_and_returns_to_0(
+    registry: CollectorRegistry,
+) -> None:
+    clock = Clock(1000.0)
+    plane = make_plane(engine=FakeEngine(), initial=2, clock=clock,
+                       metrics=ElasticEPMetrics(registry))
+    assert value(registry, "stalled_seconds") == 0
+    clock.t = 1075.0
+    plane.observe_stall(1000.0, waiting_requests=3)
+    assert value(registry, "stalled_seconds") == 75.0
+    clock.t = 1090.0
+    plane.observe_stall(1000.0, waiting_requests=3)
+    assert value(registry, "stalled_seconds") == 90.0
+    plane.observe_stall(None, waiting_requests=0)  # the schedulers answered again
+    assert value(registry, "stalled_seconds") == 0
+
+
 @pytest.mark.anyio
 async def test_each_operation_is_counted_once(registry: CollectorRegistry) -> None:
     metrics = ElasticEPMetrics(registry)
