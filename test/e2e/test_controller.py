@@ -257,8 +257,6 @@ def test_the_controller_grows_heals_and_shrinks_a_cluster_by_itself(
             relaunch = next(r for r in records if r.get("action") == "relaunch")
             assert (relaunch["rank_offset"], relaunch["join_mode"]) == (2, "recover")
             assert "while serving stalled" in relaunch["message"], relaunch
-            assert any(r.get("type") == "hold" and "serving stalled for" in r["message"]
-                       for r in records), records
             assert [r["purpose"] for r in records if r.get("action") == "scale"] == [
                 "grow", "shrink"], records
         finally:

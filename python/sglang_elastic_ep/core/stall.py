@@ -115,10 +115,10 @@ def ranks_to_end(positions: list[RankPosition], active: Collection[int],
                             + (", a pass behind the others," if behind else "")
                             + " while serving stalled" for p in stuck}
     own = {rank: why for rank, why in culprits.items() if rank >= own_from}
-    if own or not culprits:
-        return own or culprits
+    if own:
+        return own
     peers = [p for p in reporting if p.rank >= own_from]
-    if not peers:
+    if not culprits or not peers:
         return culprits
     freer = max(peers, key=lambda p: p.rank)
     return {freer.rank: f"waits with rank(s) {sorted(culprits)} while serving stalled: ending "
