@@ -310,14 +310,29 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
         summary.add_row("safe to terminate", str(status["safe_to_terminate_ranks"]))
     if status.get("last_error"):
         summary.add_row("last error", f"[red]{status['last_error']}[/]")
+    stalled = status.get("stalled")
+    if stalled:
+        summary.add_row("stalled", f"[bold red]{stalled['stalled_s']:.0f} s[/]: "
+                                   f"{escape(stalled['message'])}")
     console.print(summary)
 
+    # While stalled, where each scheduler is: the rank in another step or a pass behind, or
+    # one whose report is old, is the one the others wait for.
+    positions = {p["rank"]: p for p in stalled["ranks"]} if stalled else {}
     ranks = Table(title="ranks")
     ranks.add_column("rank", justify="right")
     ranks.add_column("state")
+    if positions:
+        for column in ("step", "in step", "passes", "report age"):
+            ranks.add_column(column, justify="left" if column == "step" else "right")
     for rank in status["ranks"]:
         style = _STATE_STYLE.get(rank["state"], "")
-        ranks.add_row(str(rank["rank"]), f"[{style}]{rank['state']}[/]" if style else rank["state"])
+        row = [str(rank["rank"]), f"[{style}]{rank['state']}[/]" if style else rank["state"]]
+        if positions:
+            at = positions.get(rank["rank"])
+            row += ([escape(at["step"]), f"{at['in_step_s']:.0f} s", str(at["passes"]),
+                     f"{at['report_age_s']:.0f} s"] if at else ["", "", "", ""])
+        ranks.add_row(*row)
     console.print(ranks)
 
     if status.get("recent_operations"):

@@ -29,6 +29,7 @@ from sglang_elastic_ep.cli.main import (
     EXIT_USAGE,
     main,
 )
+from sglang_elastic_ep.core.api_models import RankPosition
 from sglang_elastic_ep.core.events import EventBatch
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
@@ -211,6 +212,27 @@ def test_status_table_and_json(server: Server, capsys: pytest.CaptureFixture[str
     assert run("status", "--url", server.url, "--json") == EXIT_OK
     status = json.loads(capsys.readouterr().out)
     assert status["ranks"][1]["state"] == "failed"
+
+
+def test_status_shows_a_stall_and_where_each_scheduler_is(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    positions = [RankPosition(rank=0, step="gather", in_step_s=75.0, passes=41, report_age_s=0.4),
+                 RankPosition(rank=1, step="forward", in_step_s=80.0, passes=40,
+                              report_age_s=0.6)]
+    server.plane.observe_stall(time.time() - 75.0, waiting_requests=3, positions=positions)
+    assert run("status", "--url", server.url) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "stalled" in out and "3 requests wait" in out and "ranks [0] in step 'gather'" in out
+    cells = [line.replace("│", " ").split() for line in out.splitlines()]
+    rows = {row[0]: row for row in cells if row and row[0] in ("0", "1")}
+    assert rows["0"][1:] == ["active", "gather", "75", "s", "41", "0", "s"], out
+    assert rows["1"][1:] == ["active", "forward", "80", "s", "40", "1", "s"], out
+    # Once the schedulers answer, neither the row nor the columns are shown.
+    server.plane.observe_stall(None, waiting_requests=0)
+    assert run("status", "--url", server.url) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "stalled" not in out and "gather" not in out
 
 
 def test_events_backlog(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
