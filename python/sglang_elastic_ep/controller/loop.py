@@ -284,11 +284,15 @@ def _action_fields(action: Action) -> dict[str, Any]:
     if isinstance(action, ScaleTo):
         return {"action": "scale", "target": action.target, "operation_id": action.operation_id,
                 "purpose": action.purpose.value}
-    if isinstance(action, LaunchJoiner | Relaunch):
+    if isinstance(action, LaunchJoiner):
         s = action.spec
-        return {"action": "launch" if isinstance(action, LaunchJoiner) else "relaunch",
-                "rank_offset": s.rank_offset, "num_ranks": s.num_ranks,
+        return {"action": "launch", "rank_offset": s.rank_offset, "num_ranks": s.num_ranks,
                 "join_mode": s.mode.value, "operation_id": s.operation_id}
+    if isinstance(action, Relaunch):
+        s = action.spec
+        return {"action": "relaunch", "rank_offset": s.rank_offset, "num_ranks": s.num_ranks,
+                "join_mode": s.mode.value, "operation_id": s.operation_id,
+                "stuck": action.stuck}
     if isinstance(action, CancelScale):
         return {"action": "cancel", "operation_id": action.operation_id}
     return {"action": "terminate", "ranks": list(action.ranks)}
@@ -489,7 +493,7 @@ class ControllerLoop:
                 self.log.outcome(f"launched {launch.handle} for rank(s) "
                                  f"{_span(launch.ranks)}", True, handle=launch.handle)
             elif isinstance(action, Relaunch):
-                launch = self.launcher.launch_replacement(action.spec)
+                launch = self.launcher.launch_replacement(action.spec, stuck=action.stuck)
                 self.log.outcome(f"relaunched rank(s) {_span(launch.ranks)} as {launch.handle}",
                                  True, handle=launch.handle)
             elif isinstance(action, Terminate):

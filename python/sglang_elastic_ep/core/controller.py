@@ -134,12 +134,15 @@ class LaunchJoiner:
 @dataclass(frozen=True)
 class Relaunch:
     """Stop what still runs for exactly ``spec.ranks`` (the server reports them failed or
-    hard-blocked) and launch a replacement in recover mode."""
+    hard-blocked, or they are stuck in a stall) and launch a replacement in recover mode.
+    ``stuck``: the old process is stuck in a pass and cannot stop gracefully (its server waits
+    for a shutdown its scheduler never takes): it is killed at once, without a grace."""
 
     spec: JoinerSpec
     attempt: int
     reason: str
     inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+    stuck: bool = False
 
 
 @dataclass(frozen=True)
@@ -372,10 +375,12 @@ class ElasticController:
             return Decision(tuple(actions), tuple(holds))
 
         troubled = self._troubled(status)
+        stuck = self._stuck(status, troubled)
+        troubled = dict(sorted({**stuck, **troubled}.items()))
         if troubled:
             self._policy.decide(self._sample(status, now, busy=True))
             if self.config.heal:
-                self._heal(status, troubled, now, actions, holds)
+                self._heal(status, troubled, set(stuck), now, actions, holds)
             else:
                 holds.append(Hold(f"rank(s) {_ranks(troubled)} failed; healing is off (--no-heal)",
                                   {"troubled": _troubled_inputs(troubled)}))
@@ -575,16 +580,21 @@ class ElasticController:
             for rank in health.ranks:
                 if rank.hard_blocked and rank.rank in active and rank.rank not in troubled:
                     troubled[rank.rank] = "slow (hard-blocked by the health check)"
+        return dict(sorted(troubled.items()))
+
+    def _stuck(self, status: StatusResponse, troubled: Mapping[int, str]) -> dict[int, str]:
+        """The ranks to end because serving has stalled for ``heal_stall_after_s``, with why
+        (none already ``troubled``)."""
         stall = status.stalled
         after = self.config.heal_stall_after_s
         # With a rank failed, the survivors' stall is that failure's handling (they wait for
         # Mooncake to count it out): its replacement is the way on, not another end.
-        if (self.config.heal and stall is not None and 0 < after <= stall.stalled_s
-                and "failed" not in troubled.values()):
-            stuck = ranks_to_end(stall.ranks, active, self.config.first_own_rank)
-            for rank, why in stuck.items():
-                troubled.setdefault(rank, why)
-        return dict(sorted(troubled.items()))
+        if (not self.config.heal or stall is None or not 0 < after <= stall.stalled_s
+                or "failed" in troubled.values()):
+            return {}
+        active = {r.rank for r in status.ranks if r.state is RankState.ACTIVE}
+        stuck = ranks_to_end(stall.ranks, active, self.config.first_own_rank)
+        return {rank: why for rank, why in stuck.items() if rank not in troubled}
 
     def _failures(self, status: StatusResponse, span: range) -> int:
         """How often the ranks of ``span`` failed since their slot was filled (at least 1)."""
@@ -610,6 +620,7 @@ class ElasticController:
         self,
         status: StatusResponse,
         troubled: dict[int, str],
+        stuck: set[int],
         now: float,
         actions: list[Action],
         holds: list[Hold],
@@ -664,7 +675,7 @@ class ElasticController:
                 spec, failures,
                 f"rank(s) {_ranks(why)} {_what(why)}: relaunch in recover mode "
                 f"(failure {failures}, up to --max-relaunches {cfg.max_relaunches})",
-                inputs,
+                inputs, stuck=bool(stuck.intersection(span)),
             ))
         if give_up:
             self._remove(status, troubled, give_up, now, actions, holds)

@@ -142,8 +142,8 @@ class MemoryLauncher:
         self.calls.append(("launch", spec))
         return self._start(spec)
 
-    def launch_replacement(self, spec: JoinerSpec) -> Launch:
-        self.calls.append(("replace", spec))
+    def launch_replacement(self, spec: JoinerSpec, *, stuck: bool = False) -> Launch:
+        self.calls.append(("replace_stuck" if stuck else "replace", spec))
         self._stop(spec.ranks)
         return self._start(spec)
 

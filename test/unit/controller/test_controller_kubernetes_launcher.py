@@ -56,6 +56,7 @@ class FakeApiServer:
     def __init__(self, *, honour_selector: bool = True) -> None:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str, Any]] = []
+        self.delete_queries: dict[str, dict[str, list[str]]] = {}  # pod name -> query
         self.honour_selector = honour_selector
 
     def add(self, name: str, labels: dict[str, str], namespace: str = NS,
@@ -91,6 +92,7 @@ class FakeApiServer:
             return rest.RESTResponse(_Raw(200, {"apiVersion": "v1", "kind": "PodList",
                                                 "metadata": {}, "items": items}))
         if method == "DELETE":
+            self.delete_queries[name] = parse_qs(parsed.query)
             pod = self.pods.pop((namespace, name), None)
             if pod is None:
                 return rest.RESTResponse(_Raw(404, {"kind": "Status", "code": 404}))
@@ -219,6 +221,17 @@ def test_replacement_deletes_the_failed_ranks_pod_and_creates_a_recover_pod(
     pod = fake.pods[(NS, new.handle)]
     assert "--ep-join-mode=recover" in pod["spec"]["containers"][0]["args"]
     assert pod["metadata"]["labels"][LABEL_OPERATION] == "ctl-recover-r8-1"
+    assert "gracePeriodSeconds" not in fake.delete_queries[old.handle]  # the Pod's own grace
+
+
+def test_a_stuck_ranks_pod_is_deleted_without_a_grace(
+    fake: FakeApiServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launcher = make(fake, monkeypatch)
+    old = launcher.launch_joiner(spec(8))
+    launcher.launch_replacement(spec(8, JoinMode.RECOVER, "ctl-recover-r8-e0-1"), stuck=True)
+    assert fake.deleted() == [old.handle]
+    assert fake.delete_queries[old.handle]["gracePeriodSeconds"] == ["0"]
 
 
 def test_a_pod_being_deleted_is_not_alive(fake: FakeApiServer,

@@ -120,22 +120,32 @@ def test_terminate_stops_only_joiners_wholly_inside_the_listed_ranks(
     assert within(pair, [4, 5]) and not within(pair, [4]) and not within(pair, [])
 
 
-def test_sigkill_fallback_for_a_joiner_and_children_that_ignore_sigterm(
-    tmp_path: Path, started: list[int]
+@pytest.mark.parametrize("stuck", [False, True])
+def test_a_joiner_that_outlasts_sigterm_or_is_stuck_is_sigkilled_with_its_children(
+    tmp_path: Path, started: list[int], stuck: bool
 ) -> None:
     children = tmp_path / "child.pid"
-    command = (f"sh -c 'trap \"\" TERM; sleep 60 & echo $! > {children}; wait' "
-               "-- {rank_offset}")
-    launcher = make(tmp_path, command, kill_grace_s=0.5)
+    got = tmp_path / "signals"
+    # It notes a SIGTERM and waits on: only SIGKILL ends it.
+    command = (f"sh -c 'trap \"echo TERM >> {got}\" TERM; sleep 60 & echo $! > {children}; "
+               "wait; wait' -- {rank_offset}")
+    # A stuck rank's replacement does not wait out the grace: it kills at once.
+    launcher = make(tmp_path, command, kill_grace_s=30 if stuck else 0.5)
     launch = launcher.launch_joiner(spec(2))
     started.append(pid_of(launch))
     wait_until(lambda: children.exists() and children.read_text().strip() != "", 30,
                "the joiner started its child")
     child = int(children.read_text())
     started.append(child)
-    launcher.terminate([2])
+    if stuck:
+        new = launcher.launch_replacement(spec(2, JoinMode.RECOVER, "ctl-recover-r2-e0-1"),
+                                          stuck=True)
+        started.append(pid_of(new))
+    else:
+        launcher.terminate([2])
     assert gone(pid_of(launch)) and gone(child)
-    assert launcher.list()[0].exit_code == -9  # SIGKILLed after the grace
+    assert got.exists() is not stuck  # SIGTERM first, unless stuck
+    assert next(x for x in launcher.list() if x.handle == launch.handle).exit_code == -9
 
 
 def test_terminate_lets_a_server_stop_its_children_and_keeps_its_exit_code(

@@ -304,6 +304,7 @@ def test_a_failed_rank_is_relaunched_in_recover_mode_once() -> None:
     assert (action.spec.rank_offset, action.spec.mode, action.spec.operation_id,
             action.attempt, action.spec.ep_size) == (2, JoinMode.RECOVER, "ctl-recover-r2-e1-1",
                                                      1, 3)
+    assert not action.stuck
     replacement = launch(2, "ctl-recover-r2-e1-1", mode=JoinMode.RECOVER, started=100)
     decision = step(c, 101, s, launches=[replacement])
     assert decision.actions == () and "waiting for the replacement" in decision.holds[0].reason
@@ -525,6 +526,7 @@ def test_a_stall_holds_resizes_then_its_stuck_own_rank_is_relaunched() -> None:
     assert (action.spec.rank_offset, action.spec.mode, action.spec.operation_id) == \
         (2, JoinMode.RECOVER, "ctl-recover-r2-e0-1")
     assert "waits with rank(s) [0]" in action.reason
+    assert action.stuck  # its server never finishes a graceful stop: killed at once
     # The stall goes on while the survivors notice the end: no second replacement; nor once
     # the failure shows, under its event's id.
     replacement = launch(2, "ctl-recover-r2-e0-1", mode=JoinMode.RECOVER, started=150)

@@ -24,9 +24,10 @@ class Launcher(Protocol):
         """Start a joiner for ``spec.ranks`` (``spec.mode`` is ``scale``)."""
         ...
 
-    def launch_replacement(self, spec: JoinerSpec) -> Launch:
+    def launch_replacement(self, spec: JoinerSpec, *, stuck: bool = False) -> Launch:
         """Stop what this launcher still runs for exactly ``spec.ranks`` (the server reports
-        them failed), then start a joiner in recover mode for them."""
+        them failed, or they are stuck), then start a joiner in recover mode for them.
+        ``stuck``: kill the old process at once, without the graceful stop's grace."""
         ...
 
     def terminate(self, ranks: Collection[int]) -> list[Launch]:

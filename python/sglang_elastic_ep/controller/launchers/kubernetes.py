@@ -132,8 +132,9 @@ class KubernetesLauncher:
             ) from exc
         return self._launch(pod)
 
-    def launch_replacement(self, spec: JoinerSpec) -> Launch:
-        self._delete(spec.ranks)
+    def launch_replacement(self, spec: JoinerSpec, *, stuck: bool = False) -> Launch:
+        # A stuck server never finishes a graceful stop: its Pod goes without the grace.
+        self._delete(spec.ranks, grace_period_seconds=0 if stuck else None)
         return self.launch_joiner(spec)
 
     def terminate(self, ranks: Collection[int]) -> list[Launch]:
@@ -225,14 +226,18 @@ class KubernetesLauncher:
             exit_code=_exit_code(pod),
         )
 
-    def _delete(self, ranks: Collection[int]) -> list[Launch]:
+    def _delete(self, ranks: Collection[int],
+                grace_period_seconds: int | None = None) -> list[Launch]:
         deleted = []
+        # None: the Pod's own terminationGracePeriodSeconds.
+        grace = {} if grace_period_seconds is None else {
+            "grace_period_seconds": grace_period_seconds}
         for pod in self._pods():
             launch = self._launch(pod)
             if not within(launch, ranks) or pod.metadata.deletion_timestamp is not None:
                 continue
             try:
-                self.core.delete_namespaced_pod(pod.metadata.name, self.namespace)
+                self.core.delete_namespaced_pod(pod.metadata.name, self.namespace, **grace)
             except self._client.ApiException as exc:
                 if exc.status == 404:
                     continue  # already gone

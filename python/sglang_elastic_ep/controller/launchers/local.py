@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from sglang_elastic_ep.controller.launchers.base import LauncherError, within
 from sglang_elastic_ep.controller.launchers.ports import free_joiner_port
@@ -116,10 +117,10 @@ class LocalLauncher:
         self._prune()
         return launch
 
-    def launch_replacement(self, spec: JoinerSpec) -> Launch:
+    def launch_replacement(self, spec: JoinerSpec, *, stuck: bool = False) -> Launch:
         for joiner in self._live():
             if within(joiner.launch, spec.ranks):
-                self._stop(joiner)
+                self._stop(joiner, hard=stuck)
         return self.launch_joiner(spec)
 
     def terminate(self, ranks: Collection[int]) -> list[Launch]:
@@ -172,23 +173,26 @@ class LocalLauncher:
         except psutil.NoSuchProcess:
             return False
 
-    def _stop(self, joiner: _Joiner) -> None:
+    def _stop(self, joiner: _Joiner, hard: bool = False) -> None:
         """SIGTERM the joiner (a server stops its own children and exits 0, as when it
-        leaves by itself), then SIGKILL by pid what is left of its tree after the grace."""
+        leaves by itself), then SIGKILL by pid what is left of its tree after the grace;
+        ``hard``: SIGKILL at once (a stuck server never finishes a graceful stop)."""
         root = self._process(joiner)
         if root is not None:
             try:
                 tree = [root, *root.children(recursive=True)]  # before the parent goes
-                root.terminate()
+                if not hard:
+                    root.terminate()
             except psutil.NoSuchProcess:
                 tree = []
+            grace = 0.0 if hard else self.kill_grace_s
             if joiner.popen is not None:  # its own child: popen reaps it and keeps the code
                 try:
-                    joiner.popen.wait(timeout=self.kill_grace_s)
+                    joiner.popen.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
                     pass
             else:
-                psutil.wait_procs([root], timeout=self.kill_grace_s)
+                psutil.wait_procs([root], timeout=grace)
             alive = [proc for proc in tree if _running(proc)]
             for proc in alive:
                 try:
@@ -197,7 +201,7 @@ class LocalLauncher:
                     pass
             # Not the root when it is our child: popen must reap it, or its exit code is lost.
             owned = joiner.popen.pid if joiner.popen is not None else None
-            psutil.wait_procs([p for p in alive if p.pid != owned], timeout=10)
+            _wait_ended([p for p in alive if p.pid != owned], timeout_s=10)
         if joiner.popen is not None:
             try:
                 joiner.popen.wait(timeout=10)
@@ -249,3 +253,12 @@ def _running(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _wait_ended(procs: list[psutil.Process], timeout_s: float) -> None:
+    """Until each of ``procs`` (not our children) is gone or a zombie: its killed parent's
+    orphans wait for an init that may never reap them (a container's PID 1), which
+    ``psutil.wait_procs`` would wait out whole."""
+    Retrying(stop=stop_after_delay(timeout_s), wait=wait_fixed(0.05),
+             retry=retry_if_result(bool), retry_error_callback=lambda _: None)(
+        lambda: [proc for proc in procs if _running(proc)])
