@@ -590,7 +590,7 @@ class ElasticController:
         # With a rank failed, the survivors' stall is that failure's handling (they wait for
         # Mooncake to count it out): its replacement is the way on, not another end.
         if (not self.config.heal or stall is None or not 0 < after <= stall.stalled_s
-                or "failed" in troubled.values()):
+                or any(r.state is RankState.FAILED for r in status.ranks)):
             return {}
         active = {r.rank for r in status.ranks if r.state is RankState.ACTIVE}
         stuck = ranks_to_end(stall.ranks, active, self.config.first_own_rank)
