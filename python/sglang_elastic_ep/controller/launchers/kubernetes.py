@@ -229,15 +229,14 @@ class KubernetesLauncher:
     def _delete(self, ranks: Collection[int],
                 grace_period_seconds: int | None = None) -> list[Launch]:
         deleted = []
-        # None: the Pod's own terminationGracePeriodSeconds.
-        grace = {} if grace_period_seconds is None else {
-            "grace_period_seconds": grace_period_seconds}
         for pod in self._pods():
             launch = self._launch(pod)
             if not within(launch, ranks) or pod.metadata.deletion_timestamp is not None:
                 continue
             try:
-                self.core.delete_namespaced_pod(pod.metadata.name, self.namespace, **grace)
+                # None: the Pod's own terminationGracePeriodSeconds (the client omits it).
+                self.core.delete_namespaced_pod(pod.metadata.name, self.namespace,
+                                                grace_period_seconds=grace_period_seconds)
             except self._client.ApiException as exc:
                 if exc.status == 404:
                     continue  # already gone
