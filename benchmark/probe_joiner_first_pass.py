@@ -18,7 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _scenario import logged, operation_succeeded, tiny_spec, under_load  # noqa: E402
-from profile_grown_cluster import TOP_THREADS, frame_shares, thread_cpu_seconds  # noqa: E402
+from profile_grown_cluster import (  # noqa: E402
+    TOP_THREADS,
+    cpu_since,
+    frame_shares,
+    thread_cpu_seconds,
+)
 
 from sglang_elastic_ep_testbed.cluster import LocalCluster  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.observe import post_scale  # noqa: E402
@@ -27,14 +32,6 @@ from sglang_elastic_ep_testbed.cluster.waits import wait_until  # noqa: E402
 
 WARM_UP_S = 15.0
 STEADY_S = 10.0
-
-
-def cpu_used(before: dict[int, tuple[str, float]], pid: int) -> list[tuple[str, float]]:
-    """``pid``'s threads as (name/tid, CPU seconds since ``before``), busiest first."""
-    after = thread_cpu_seconds(pid)
-    used = [(f"{name}/{tid}", cpu - before.get(tid, (name, 0.0))[1])
-            for tid, (name, cpu) in after.items()]
-    return sorted(used, key=lambda item: -item[1])[:TOP_THREADS]
 
 
 def cycle(cluster: LocalCluster, n: int, seconds: int, out: Path, tool: str) -> None:
@@ -64,7 +61,8 @@ def cycle(cluster: LocalCluster, n: int, seconds: int, out: Path, tool: str) -> 
         shares = frame_shares(raw[rank].read_text()) if raw[rank].exists() else {}
         frames = ", ".join(f"{frame} {share:.0f} %" for frame, share in shares.items()
                            if share >= 1)
-        busiest = ", ".join(f"{name} {cpu:.2f}" for name, cpu in cpu_used(before[rank], pid))
+        top = cpu_since(before[rank], pid)[:TOP_THREADS]
+        busiest = ", ".join(f"{name} {cpu:.2f}" for name, cpu in top)
         print(f"rank {rank}: CPU s {busiest}; scheduler thread: {frames}")
     post_scale(cluster.url, 2, operation + "-down")
     operation_succeeded(cluster.url, operation + "-down", 300)

@@ -78,18 +78,21 @@ def placement(pid: int) -> str:
     return f"nice {proc.nice()}, session {os.getsid(pid)}, autogroup {autogroup}"
 
 
+def cpu_since(before: Mapping[int, tuple[str, float]], pid: int) -> list[tuple[str, float]]:
+    """``pid``'s threads as (name/tid, CPU seconds used since ``before``, a
+    ``thread_cpu_seconds`` of it), busiest first."""
+    used = [(f"{name}/{tid}", cpu - before.get(tid, (name, 0.0))[1])
+            for tid, (name, cpu) in thread_cpu_seconds(pid).items()]
+    return sorted(used, key=lambda item: -item[1])
+
+
 def busiest_threads(pids: Mapping[int, int], seconds: float) -> dict[int, list[tuple[str, float]]]:
     """Rank -> its scheduler's threads as (name/tid, cores used over ``seconds``), busiest
     first."""
     before = {rank: thread_cpu_seconds(pid) for rank, pid in pids.items()}
     time.sleep(seconds)
-    out: dict[int, list[tuple[str, float]]] = {}
-    for rank, pid in pids.items():
-        after = thread_cpu_seconds(pid)
-        used = [(f"{name}/{tid}", (cpu - before[rank].get(tid, (name, 0.0))[1]) / seconds)
-                for tid, (name, cpu) in after.items()]
-        out[rank] = sorted(used, key=lambda item: -item[1])
-    return out
+    return {rank: [(name, cpu / seconds) for name, cpu in cpu_since(before[rank], pid)]
+            for rank, pid in pids.items()}
 
 
 def measure(label: str, timeline: Timeline, pids: Mapping[int, int], seconds: int,
