@@ -404,6 +404,61 @@ def test_refusals_are_clear(solo_buffer) -> None:
                              W.MAX_TOKENS, W.LOCAL_EXPERTS, use_fp8=False)
 
 
+class _DictStore:
+    """The three TCPStore calls ``connect_ranks`` makes, on a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+class _RecordingParker:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def keep_parked(self) -> None:
+        self.calls.append("keep_parked")
+
+    def unpark(self) -> None:
+        self.calls.append("unpark")
+
+
+def test_a_connect_keeps_the_spinners_parked_while_it_waits_and_releases_them(
+        solo_buffer) -> None:
+    """Rank 1 never answers: the handshake renews the park on every round of its wait and
+    releases it once, when the wait ends (here with the connect's timeout)."""
+    parker = _RecordingParker()
+    solo_buffer.handshake_wait_parker = parker
+    solo_buffer.connect_timeout_s = 0.3
+    solo_buffer.set_tcp_store_group(_DictStore())
+    with pytest.raises(TimeoutError, match="got no handshake from ranks \\[1\\]"):
+        solo_buffer.connect_ranks([1])
+    assert parker.calls[-1] == "unpark" and parker.calls.count("unpark") == 1, parker.calls
+    assert parker.calls.count("keep_parked") >= 2, parker.calls
+
+
+def test_the_cpu_engine_buffer_parks_the_process_spinners_in_its_connect(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep_testbed.cpu import idle
+    from sglang_elastic_ep_testbed.cpu.nixl_ep import load_nixl_ep
+    from sglang_elastic_ep_testbed.cpu.scheduler_buffer import SchedulerBuffer
+
+    buffer_class, _ = load_nixl_ep()
+    assert buffer_class is SchedulerBuffer
+    buf = SchedulerBuffer(rank=0, timeout_ms=500)
+    assert buf.handshake_wait_parker is idle.process_thread_parker()
+    monkeypatch.setenv(idle.ENV_PARK_SPINNERS_IN_CONNECT, "0")
+    assert SchedulerBuffer(rank=0, timeout_ms=500).handshake_wait_parker is None
+
+
 def test_layout_is_sized_for_the_maximum() -> None:
     t, h, ranks, experts = 128, 64, 4, 16
     nbytes = rdma_size_hint(t, h, ranks, experts)

@@ -115,6 +115,26 @@ def test_a_park_ends_by_itself_after_the_bound(spinner: int) -> None:
         parker.unpark()
 
 
+def test_keep_parked_parks_again_once_a_park_ended_by_itself(spinner: int) -> None:
+    """A long wait (a connect handshake) calls ``keep_parked`` each round: a park that ran
+    out is renewed, one that holds is left alone, and ``unpark`` releases it."""
+    library = thread_park_library_path()
+    if not library.exists():
+        pytest.skip(f"{library} not built (scripts/setup.sh builds it)")
+    parker = ThreadParker(library, max_park_ms=20)
+    parker.tids = [spinner]
+    try:
+        parker.keep_parked()
+        wait_until(lambda: parker.parked_count() == 1, 60, "the spinner parked", poll_s=0.001)
+        wait_until(lambda: parker.parked_count() == 0, 60, "the park ended", poll_s=0.001)
+        parker.keep_parked()
+        wait_until(lambda: parker.parked_count() == 1, 60, "parked again", poll_s=0.001)
+    finally:
+        parker.unpark()
+    wait_spinning(spinner)
+    assert parker.parked_count() == 0
+
+
 def test_a_gone_thread_is_dropped_from_the_park_list() -> None:
     library = thread_park_library_path()
     if not library.exists():

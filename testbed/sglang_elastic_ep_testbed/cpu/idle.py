@@ -21,12 +21,14 @@ A busy rank parks them too, through each forward pass (``Scheduler.run_batch``,
 ``SGLANG_EEP_PARK_SPINNERS_IN_FORWARD=0`` turns it off): the pass moves its MoE tokens over
 NIXL and runs no Mooncake collective, and a spinning worker beside it took about half a core
 from the schedulers on a 2-core machine (docs/benchmarks.md, "The cost of elastic mode"). The
-worker runs again for the DP gather between passes, which does need it.
+worker runs again for the DP gather between passes, which does need it. The CPU EP buffer parks
+them while its connect handshake waits for a joiner (``cpu/scheduler_buffer.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -43,6 +45,7 @@ logger = logging.getLogger(__name__)
 ENV_IDLE_POLL_MS = "SGLANG_EEP_IDLE_POLL_MS"
 ENV_PARK_SPINNERS = "SGLANG_EEP_IDLE_PARK_SPINNERS"
 ENV_PARK_SPINNERS_IN_FORWARD = "SGLANG_EEP_PARK_SPINNERS_IN_FORWARD"
+ENV_PARK_SPINNERS_IN_CONNECT = "SGLANG_EEP_PARK_SPINNERS_IN_CONNECT"
 ENV_THREAD_PARK_LIB = "SGLANG_EEP_THREAD_PARK_LIB"
 ENV_SPINNERS_IDLE_CLASS = "SGLANG_EEP_SPINNERS_IDLE_CLASS"
 # Every idle pass still runs the DP token-count all-gather (and the membership agreement) over
@@ -85,6 +88,11 @@ def park_spinners_enabled() -> bool:
 def park_spinners_in_forward_enabled() -> bool:
     """On by default; needs parking at idle on too (that is where the spinners are found)."""
     return env_flag(ENV_PARK_SPINNERS_IN_FORWARD, default=True)
+
+
+def park_spinners_in_connect_enabled() -> bool:
+    """On by default; needs parking at idle on too (that is where the spinners are found)."""
+    return env_flag(ENV_PARK_SPINNERS_IN_CONNECT, default=True)
 
 
 def spinners_idle_class_enabled() -> bool:
@@ -193,6 +201,12 @@ class ThreadParker:
             if self.lib.eep_park(tid) != 0:  # the thread has exited
                 self.tids.remove(tid)
 
+    def keep_parked(self) -> None:
+        """Park the threads again unless every one is parked: a park ends by itself after
+        ``max_park_ms``, so a long wait calls this on each of its rounds."""
+        if self.tids and self.parked_count() < len(self.tids):
+            self.park()
+
     def unpark(self) -> None:
         self.lib.eep_unpark()
 
@@ -283,6 +297,14 @@ def forward_pass(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> An
         return original(scheduler, *args, **kwargs)
 
 
+@functools.cache
+def process_thread_parker() -> ThreadParker | None:
+    """This process's parker, or None when parking is off or its library is missing. One per
+    process, shared by the idle sleeper and the CPU EP buffer: the native handler and its park
+    flag are process-wide, and the spinners the sleeper finds are the ones the buffer parks."""
+    return make_thread_parker()
+
+
 def make_thread_parker() -> ThreadParker | None:
     if not park_spinners_enabled():
         return None
@@ -304,7 +326,7 @@ def install_idle_sleeper(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         return
     channels = scheduler.ipc_channels
     sockets = [s for s in (channels.recv_from_tokenizer, channels.recv_from_rpc) if s is not None]
-    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout, make_thread_parker(),
+    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout, process_thread_parker(),
                                                   park_spinners_in_forward_enabled())
 
 

@@ -15,10 +15,11 @@ import torch
 
 
 def load_nixl_ep() -> tuple[type, torch.dtype]:
-    """REPLACE ``token_dispatcher.nixl._load_nixl_ep``: the CPU buffer, int64 top-k ids."""
-    from sglang_elastic_ep_testbed.nixl_cpu.buffer import Buffer
+    """REPLACE ``token_dispatcher.nixl._load_nixl_ep``: the CPU buffer as a scheduler uses it,
+    int64 top-k ids."""
+    from sglang_elastic_ep_testbed.cpu.scheduler_buffer import SchedulerBuffer
 
-    return Buffer, torch.int64
+    return SchedulerBuffer, torch.int64
 
 
 def dispatcher_impl_init(original: Callable, impl: Any, *args: Any, **kwargs: Any) -> None:

@@ -14,7 +14,7 @@ import os
 import pickle
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,12 +34,22 @@ KEY_POLL_S = 0.005  # while a peer's key has not appeared yet
 WITHDRAWN = b""  # a rank's handshake key once its handshake is over
 
 
+class HandshakeWaitParker(Protocol):
+    """Keeps threads that busy-wait beside this one parked while ``connect_ranks`` waits."""
+
+    def keep_parked(self) -> None: ...
+
+    def unpark(self) -> None: ...
+
+
 class RankConnections(NixlTransport):
     """``connect_ranks`` / ``disconnect_ranks`` and the mask buffer of ``nixl_ep.Buffer``."""
 
     # Set by the buffer's constructor.
     tcp_store_group: Any
     connect_timeout_s: float
+    # None here; the CPU engine's buffer parks Mooncake's spinning worker through the wait.
+    handshake_wait_parker: HandshakeWaitParker | None = None
 
     def set_tcp_store_group(self, tcp_store_group: Any) -> None:
         self.tcp_store_group = tcp_store_group
@@ -170,6 +180,8 @@ class RankConnections(NixlTransport):
         try:
             gone = self._handshake(store, ranks, time.monotonic() + self.connect_timeout_s)
         finally:
+            if self.handshake_wait_parker is not None:
+                self.handshake_wait_parker.unpark()
             # Withdrawn with an empty value, never deleted: a peer that saw the key in
             # ``check`` and then calls ``get`` would block forever on a deleted key
             # (TCPStore.get waits for missing keys). Seen: a joiner hung in its first
@@ -280,6 +292,8 @@ class RankConnections(NixlTransport):
                     f"{sorted(waiting)} within {self.connect_timeout_s:.0f} s (every rank "
                     "named must call connect_ranks with this rank at about the same time)"
                 )
+            if self.handshake_wait_parker is not None:
+                self.handshake_wait_parker.keep_parked()
             backoff()
         for r in ranks:
             if r in gone:
