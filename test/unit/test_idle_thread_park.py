@@ -220,6 +220,50 @@ def test_the_forward_pass_runs_with_the_spinner_parked_unless_turned_off(
     wait_spinning(spinner)
 
 
+def test_a_search_adds_only_new_spinners_to_the_parker(spinner: int) -> None:
+    from sglang_elastic_ep_testbed.cpu import idle
+
+    library = thread_park_library_path()
+    if not library.exists():
+        pytest.skip(f"{library} not built (scripts/setup.sh builds it)")
+    parker = ThreadParker(library)
+    sleeper = idle.ShortPollIdleSleeper([], 50, parker)
+    # A search can miss the spinner while other processes have the cores: search until found.
+    wait_until(lambda: spinner in sleeper.find_spinners(), 60, "the spinner found",
+               poll_s=0.01)
+    assert parker.tids == [spinner]
+    assert spinner not in sleeper.find_spinners()  # known already
+    assert parker.tids == [spinner]
+    assert idle.ShortPollIdleSleeper([], 50, None).find_spinners() == []
+
+
+def test_a_new_scheduler_searches_for_spinners_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scale joiner under load may never idle: its worker must be known from the start."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep_testbed.cpu import idle
+
+    class ListParker:
+        def __init__(self) -> None:
+            self.tids: list[int] = []
+
+    searched: list[float] = []
+
+    def search(wait: object, **_: object) -> list[int]:
+        searched.append(time.monotonic())
+        return [4242]
+
+    monkeypatch.setattr(idle, "process_thread_parker", ListParker)
+    monkeypatch.setattr(idle, "find_spinning_native_threads", search)
+    scheduler = SimpleNamespace(
+        idle_sleeper=None, ipc_channels=SimpleNamespace(recv_from_tokenizer=None,
+                                                        recv_from_rpc=None))
+    idle.install_idle_sleeper(None, scheduler)
+    assert len(searched) == 1
+    assert scheduler.idle_sleeper.parker.tids == [4242]
+    assert scheduler.idle_sleeper.next_search > searched[0]  # the next one in 30 s
+
+
 def test_the_forward_pass_setting_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang_elastic_ep_testbed.cpu import idle
 

@@ -237,23 +237,31 @@ class ShortPollIdleSleeper:
         else:
             time.sleep(seconds)
 
-    def maybe_sleep(self) -> None:
+    def find_spinners(self) -> list[int]:
+        """Search for spinning native threads now (waiting on the request sockets, so a request
+        cuts it short) and add the new ones to the parker's; those new ones."""
         parker = self.parker
+        if parker is None:
+            return []
+        self.next_search = time.monotonic() + SPIN_SEARCH_INTERVAL_S
+        found = [t for t in find_spinning_native_threads(wait=self.wait_on_sockets)
+                 if t not in parker.tids]
+        if found:
+            parker.tids.extend(found)
+            if spinners_idle_class_enabled():
+                logger.info("idle: native spinning threads %s run in SCHED_IDLE",
+                            lower_to_idle_class(found))
+        return found
+
+    def maybe_sleep(self) -> None:
         # Spinners appear over time (Mooncake's worker with the first collective, NIXL's
         # progress thread with the first dispatch): look again now and then. Known ones are
-        # parked during the search, so only new ones show up; the search waits on the request
-        # sockets, so a request cuts it short.
-        if parker is not None and time.monotonic() >= self.next_search:
-            self.next_search = time.monotonic() + SPIN_SEARCH_INTERVAL_S
-            found = [t for t in find_spinning_native_threads(wait=self.wait_on_sockets)
-                     if t not in parker.tids]
-            if found:
-                parker.tids.extend(found)
-                parker.park()
-                logger.info("idle: parking native spinning threads %s while idle", parker.tids)
-                if spinners_idle_class_enabled():
-                    logger.info("idle: native spinning threads %s run in SCHED_IDLE",
-                                lower_to_idle_class(found))
+        # parked during the search, so only new ones show up.
+        if self.parker is not None and time.monotonic() >= self.next_search:
+            if self.find_spinners():
+                self.parker.park()
+                logger.info("idle: parking native spinning threads %s while idle",
+                            self.parker.tids)
             return
         self.wait_on_sockets(self.timeout_ms / 1000)
 
@@ -326,8 +334,16 @@ def install_idle_sleeper(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         return
     channels = scheduler.ipc_channels
     sockets = [s for s in (channels.recv_from_tokenizer, channels.recv_from_rpc) if s is not None]
-    scheduler.idle_sleeper = ShortPollIdleSleeper(sockets, timeout, process_thread_parker(),
-                                                  park_spinners_in_forward_enabled())
+    sleeper = ShortPollIdleSleeper(sockets, timeout, process_thread_parker(),
+                                   park_spinners_in_forward_enabled())
+    scheduler.idle_sleeper = sleeper
+    # A scale joiner's worker already spins here (it ran collectives to be admitted), and
+    # under load its scheduler may not go idle for a long time: search once now, so its
+    # forward passes and connect waits park the worker from the first one on.
+    found = sleeper.find_spinners()
+    if found:
+        logger.info("idle: found native spinning threads %s at start-up (parked from now on "
+                    "wherever parking applies)", found)
 
 
 def dp_controller_event_loop(controller: Any) -> None:
