@@ -11,8 +11,9 @@ see ``park_spinners_enabled``). An idle rank polls its
 request sockets with a short timeout (``SGLANG_EEP_IDLE_POLL_MS``, default 50 ms) instead of
 upstream's 1 s (``--sleep-on-idle``): the receiving rank wakes at once and every other rank
 within one timeout, so the first request waits at most that long. With parking on, the
-process's busy-spinning native threads (found by their CPU time, again every 30 s as they
-start late, see ``find_spinning_native_threads``) are parked with
+process's busy-spinning native threads (found by their CPU time when the scheduler starts,
+and again every 30 s at idle as they start late, see ``find_spinning_native_threads``) are
+parked with
 ``scripts/native/thread_park.c``: a real-time signal whose handler sleeps on a futex until
 released. They stay parked for the whole of ``Scheduler.on_idle`` (housekeeping, then the
 poll), which runs no Mooncake collective. A park also ends by itself after ``MAX_PARK_MS``.
