@@ -92,7 +92,7 @@ def park_spinners_in_forward_enabled() -> bool:
 
 
 def park_spinners_in_connect_enabled() -> bool:
-    """On by default; needs parking at idle on too (that is where the spinners are found)."""
+    """On by default; needs parking on (``park_spinners_enabled``: its parker finds them)."""
     return env_flag(ENV_PARK_SPINNERS_IN_CONNECT, default=True)
 
 

@@ -6,8 +6,9 @@ steps, and no Mooncake collective runs on it meanwhile; yet its Mooncake worker 
 all that time, on two cores shared with the joiner it waits for (docs/cpu-testbed.md, "Three
 ranks on two cores"). This buffer keeps the process's spinning native threads parked through
 that wait, as the idle sleeper does through an idle pass (``cpu/idle.py``;
-``SGLANG_EEP_PARK_SPINNERS_IN_CONNECT=0`` turns it off). A process whose spinners were not
-found yet (a joiner still starting up) parks nothing.
+``SGLANG_EEP_PARK_SPINNERS_IN_CONNECT=0`` turns it off). A joiner parks its own worker in its
+handshake too: its scheduler searched for it at start-up, before the admission. A process whose
+spinners were not found parks nothing.
 """
 
 from __future__ import annotations
