@@ -453,10 +453,17 @@ def test_the_cpu_engine_buffer_parks_the_process_spinners_in_its_connect(
 
     buffer_class, _ = load_nixl_ep()
     assert buffer_class is SchedulerBuffer
-    buf = SchedulerBuffer(rank=0, timeout_ms=500)
-    assert buf.handshake_wait_parker is idle.process_thread_parker()
+    parking = SchedulerBuffer(rank=0, timeout_ms=500)
+    try:
+        assert parking.handshake_wait_parker is idle.process_thread_parker()
+    finally:
+        parking.destroy()
     monkeypatch.setenv(idle.ENV_PARK_SPINNERS_IN_CONNECT, "0")
-    assert SchedulerBuffer(rank=0, timeout_ms=500).handshake_wait_parker is None
+    not_parking = SchedulerBuffer(rank=0, timeout_ms=500)
+    try:
+        assert not_parking.handshake_wait_parker is None
+    finally:
+        not_parking.destroy()
 
 
 def test_layout_is_sized_for_the_maximum() -> None:

@@ -338,9 +338,9 @@ def install_idle_sleeper(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
     sleeper = ShortPollIdleSleeper(sockets, timeout, process_thread_parker(),
                                    park_spinners_in_forward_enabled())
     scheduler.idle_sleeper = sleeper
-    # A scale joiner's worker already spins here (it ran collectives to be admitted), and
-    # under load its scheduler may not go idle for a long time: search once now, so its
-    # forward passes and connect waits park the worker from the first one on.
+    # Mooncake's worker already spins here (it starts with the process groups, before a
+    # joiner's admission), and under load a joiner's scheduler may not go idle for a long
+    # time: search once now, so its connect wait and forward passes park the worker.
     found = sleeper.find_spinners()
     if found:
         logger.info("idle: found native spinning threads %s at start-up (parked from now on "
