@@ -5,8 +5,10 @@ side on one cluster, under load and with the load paused.
 Each cycle launches a scale joiner for rank 2, POSTs 3, waits for the commit, lets the 3 ranks
 serve, then POSTs 2 (the joiner exits) so the next cycle starts from the same 2 ranks. "Ready"
 is the joiner registering its cohort: from then on the serving ranks can admit it, and from
-their admission to the commit they stop serving (the pause, read from rank 0's log). Writes
-docs/benchmarks.md section ``scale_up``.
+their admission to the commit they stop serving (the pause, read from rank 0's log). Both ends
+of the control-plane latency are the servers' own stamps, not the moments a poll saw them: the
+joiner's log line (``SGLANG_LOG_MS=1``) and the operation's ``finished_at`` in the status.
+Writes docs/benchmarks.md section ``scale_up``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import requests_text, write_table  # noqa: E402
 from _scenario import WARM_UP_S, logged, operation_succeeded, tiny_spec  # noqa: E402
 
-from sglang_elastic_ep_testbed.cluster import LoadClient, LocalCluster  # noqa: E402
+from sglang_elastic_ep_testbed.cluster import LoadClient, LocalCluster, ServerProcess  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.load import longest_gap  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.observe import post_scale  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.waits import wait_until  # noqa: E402
@@ -33,6 +35,20 @@ LOG_TIME = "%Y-%m-%d %H:%M:%S.%f"
 
 def _log_time(line: str) -> datetime:
     return datetime.strptime(line[1:24], LOG_TIME)
+
+
+def _monotonic_of(wall_s: float) -> float:
+    """A wall-clock moment (``time.time``) on this run's clock (``time.monotonic``)."""
+    return time.monotonic() - (time.time() - wall_s)
+
+
+def logged_at(server: ServerProcess, text: str, timeout_s: float) -> float:
+    """Wait until ``server``'s log has ``text``; the moment its first such line was written
+    (its own millisecond stamp, local time as the log writes it) on this run's clock."""
+    logged(server, text, timeout_s)
+    line = next(line for line in server.log_path.read_text(errors="replace").splitlines()
+                if text in line)
+    return _monotonic_of(_log_time(line).timestamp())
 
 
 def serving_pause_s(primary_log: Path, operation_id: str) -> float:
@@ -55,10 +71,9 @@ def grow_then_shrink(cluster: LocalCluster, run: str, env: dict[str, str],
     joiner = cluster.start_joiner("scale", rank_offset=2, env=env)
     operation = "bench-" + "".join(c if c.isalnum() else "-" for c in run)
     post_scale(cluster.url, 3, operation)
-    logged(joiner, "registered its cohort", 300)
-    marks["registered"] = time.monotonic()
-    operation_succeeded(cluster.url, operation, 420)
-    marks["committed"] = time.monotonic()
+    marks["registered"] = logged_at(joiner, "registered its cohort", 300)
+    finished_at = operation_succeeded(cluster.url, operation, 420)["finished_at"]
+    marks["committed"] = _monotonic_of(finished_at)
     time.sleep(RIGHT_AFTER_S)
     marks["settled"] = time.monotonic()
     time.sleep(steady_s)
@@ -70,7 +85,7 @@ def grow_then_shrink(cluster: LocalCluster, run: str, env: dict[str, str],
     return marks
 
 
-def run(steady_s: float, rounds: int) -> tuple[dict[str, float], list[str]]:
+def run(steady_s: float, rounds: int, paused_rounds: int) -> tuple[dict[str, float], list[str]]:
     os.environ["SGLANG_LOG_MS"] = "1"  # the pause is read from log lines
     cycles: dict[str, dict[str, float]] = {}
     with LocalCluster(tiny_spec()) as cluster:
@@ -83,9 +98,10 @@ def run(steady_s: float, rounds: int) -> tuple[dict[str, float], list[str]]:
                     cycles[name] = grow_then_shrink(cluster, name, env, steady_s)
         finally:
             results = load.stop()
-        for mode, env in MODES.items():
-            name = f"{mode}, load paused"
-            cycles[name] = grow_then_shrink(cluster, name, env, 0.0)
+        for n in range(1, paused_rounds + 1):
+            for mode, env in MODES.items():
+                name = f"{mode}, load paused ({n})"
+                cycles[name] = grow_then_shrink(cluster, name, env, 0.0)
     figures: dict[str, float] = {}
     for name, m in cycles.items():
         f = {"registered_s": m["registered"] - m["launch"],
@@ -106,7 +122,7 @@ def run(steady_s: float, rounds: int) -> tuple[dict[str, float], list[str]]:
 
 ROWS = [
     ("joiner launched -> registered its cohort (ready)", "registered_s", ".1f"),
-    ("ready -> `serving_expanded` (control-plane latency)", "ready_to_committed_s", ".1f"),
+    ("ready -> `serving_expanded` (control-plane latency)", "ready_to_committed_s", ".2f"),
     ("serving ranks' pause: admission -> commit (rank 0's log)", "pause_s", ".2f"),
     ("longest gap between completed requests, 2 ranks before", "gap_steady2_s", ".2f"),
     ("longest gap, joiner launch -> committed", "gap_scale_s", ".2f"),
@@ -124,16 +140,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steady-seconds", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=2, help="cycles per mode under load")
+    parser.add_argument("--paused-rounds", type=int, default=2,
+                        help="cycles per mode with the load paused, after those under load")
     args = parser.parse_args()
-    figures, runs = run(args.steady_seconds, args.rounds)
+    figures, runs = run(args.steady_seconds, args.rounds, args.paused_rounds)
     print(figures, flush=True)
     write_table(
         "scale_up", "Runtime scale-up 2 -> 3: a prepared joiner against upstream's order",
         "Primary with 2 EP ranks (`--moe-a2a-backend nixl`, `--max-ep-size 4`), 2 concurrent "
-        "clients sending 8-token greedy requests back to back (stopped for the last two "
-        "cycles); each cycle serves at 2 ranks, grows to 3 with a scale joiner, serves, and "
-        "shrinks back to 2; the two modes alternate. `upstream order`: the joiner was "
-        "started with `SGLANG_EEP_JOINER_PREPARE=0`.",
+        "clients sending 8-token greedy requests back to back (stopped for the last "
+        f"{2 * args.paused_rounds} cycles); each cycle serves at 2 ranks, grows to 3 with a "
+        "scale joiner, serves, and shrinks back to 2; the two modes alternate. `upstream "
+        "order`: the joiner was started with `SGLANG_EEP_JOINER_PREPARE=0`. Ready -> "
+        "`serving_expanded` runs from the joiner's log stamp to the operation's "
+        "`finished_at`.",
         figures, ROWS, f"Under load: {requests_text(figures)}.", runs=runs,
     )
 
