@@ -3,9 +3,11 @@ attention) with elastic EP off, with ``--elastic-ep-backend mooncake --max-ep-si
 Mooncake's worker parked through each forward pass, the CPU bed's default, and without), and
 with ``--elastic-ep-backend mooncake`` alone; the same requests (2 clients, 16-token greedy,
 back to back). The configurations take turns, ``--rounds`` times. Per configuration and round:
-requests/s and latency p50 / p99; from the first round, the cores rank 0's scheduler threads
-used and where its scheduler thread spends its time, from py-spy samples taken during the
-measured window (the share of samples in each kind of work, by the innermost Python frame).
+requests/s, latency p50 / p99, and rank 0's passes and decode step time (from its log: every
+server logs each prefill and decode pass, ``--decode-log-interval 1``, with milliseconds); from
+the first round, the cores rank 0's scheduler threads used and where its scheduler thread spends
+its time, from py-spy samples taken during the measured window (the share of samples in each
+kind of work, by the innermost Python frame), also as milliseconds per pass.
 
 Writes docs/benchmarks.md section ``elastic_overhead``.
 """
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -33,13 +37,21 @@ from sglang_elastic_ep_testbed.cluster.procs import py_spy  # noqa: E402
 from sglang_elastic_ep_testbed.cpu.idle import ENV_PARK_SPINNERS_IN_FORWARD  # noqa: E402
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model  # noqa: E402
 
+# Every pass logged, with milliseconds: rank 0's passes and decode step time come from its log.
+LOG_EVERY_PASS = ["--decode-log-interval", "1"]
 CONFIGS: dict[str, dict] = {
-    "elastic off": dict(elastic=False, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
-    "mooncake, --max-ep-size 4": dict(elastic=True, max_ep_size=4, extra_args=[]),
+    "elastic off": dict(elastic=False, max_ep_size=None,
+                        extra_args=["--enable-dp-lm-head", *LOG_EVERY_PASS]),
+    "mooncake, --max-ep-size 4": dict(elastic=True, max_ep_size=4, extra_args=LOG_EVERY_PASS),
     "mooncake, --max-ep-size 4, worker spinning through the pass": dict(
-        elastic=True, max_ep_size=4, extra_args=[], env={ENV_PARK_SPINNERS_IN_FORWARD: "0"}),
-    "mooncake": dict(elastic=True, max_ep_size=None, extra_args=["--enable-dp-lm-head"]),
+        elastic=True, max_ep_size=4, extra_args=LOG_EVERY_PASS,
+        env={ENV_PARK_SPINNERS_IN_FORWARD: "0"}),
+    "mooncake": dict(elastic=True, max_ep_size=None,
+                     extra_args=["--enable-dp-lm-head", *LOG_EVERY_PASS]),
 }
+# Rank 0's log line for one pass: its stamp and whether it prefilled or decoded.
+RANK0_PASS = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) DP0 TP0[^\]]*\] "
+                        r"(Prefill|Decode) batch")
 COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "barrier", "reduce_scatter",
                "all_to_all", "gather", "scatter", "send", "recv")
 # The scheduler's own thread; py-spy also samples its idle helper threads (watchdog, tqdm).
@@ -107,9 +119,24 @@ def cpu_shares(pid: int, before: dict[int, float], seconds: float) -> dict[str, 
             "all other threads": sum(others)}
 
 
+def rank0_passes(log: str, start_wall: float, end_wall: float) -> dict[str, float]:
+    """Rank 0's logged passes (prefill or decode) within the window, and the median time of a
+    decode pass: from one logged pass to a decode pass logged right after it."""
+    passes: list[tuple[float, str]] = []
+    for line in log.splitlines():
+        if m := RANK0_PASS.match(line):
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            if start_wall <= at <= end_wall:
+                passes.append((at, m.group(2)))
+    steps = [(b - a) * 1000 for (a, _), (b, kind) in zip(passes, passes[1:], strict=False)
+             if kind == "Decode"]
+    return {"passes": float(len(passes)),
+            "decode_step_ms": statistics.median(steps) if steps else float("nan")}
+
+
 def measure(name: str, measure_s: float) -> dict:
     config = dict(CONFIGS[name])
-    env = config.pop("env", {})
+    env = {"SGLANG_LOG_MS": "1", **config.pop("env", {})}
     spec = ClusterSpec(write_tiny_model(DEFAULT_DIR), ep_size=2, moe_a2a_backend="nixl",
                        **config)
     saved = {key: os.environ.get(key) for key in env}
@@ -129,7 +156,7 @@ def measure_cluster(spec: ClusterSpec, measure_s: float) -> dict:
         load = LoadClient(cluster.url, concurrency=2, max_new_tokens=16).start()
         try:
             time.sleep(WARM_UP_S + 5)
-            start = time.monotonic()
+            start, start_wall = time.monotonic(), time.time()
             assert cluster.primary is not None
             rank0 = cluster.primary.scheduler_pids()[0]
             cpu_before = thread_cpu(rank0)
@@ -137,6 +164,8 @@ def measure_cluster(spec: ClusterSpec, measure_s: float) -> dict:
             time.sleep(max(0.0, start + measure_s - time.monotonic()))
             end = time.monotonic()
             cpu = cpu_shares(rank0, cpu_before, end - start)
+            passes = rank0_passes(cluster.primary.log_path.read_text(errors="replace"),
+                                  start_wall, start_wall + (end - start))
         finally:
             results = load.stop()
     done = [r for r in results if r.ok and start <= r.finished < end]
@@ -146,6 +175,9 @@ def measure_cluster(spec: ClusterSpec, measure_s: float) -> dict:
         "p50_ms": statistics.median(latency) if latency else float("nan"),
         "p99_ms": statistics.quantiles(latency, n=100)[98] if len(latency) > 1 else float("nan"),
         "failed": sum(not r.ok for r in results),
+        "passes_s": passes["passes"] / (end - start),
+        "decode_step_ms": passes["decode_step_ms"],
+        "window_s": end - start,
         "samples": samples,
         "cpu": cpu,
     }
@@ -191,6 +223,10 @@ def main() -> None:
                                            for n in names) + " |",
         "| failed requests | " + " | ".join(per_round(figures[n], "failed", "d") for n in names)
         + " |",
+        "| rank 0 passes/s (logged prefill and decode passes) | "
+        + " | ".join(per_round(figures[n], "passes_s", ".1f") for n in names) + " |",
+        "| rank 0 decode step p50 (ms) | "
+        + " | ".join(per_round(figures[n], "decode_step_ms", ".1f") for n in names) + " |",
     ]
     first = {n: figures[n][0] for n in names}
     for part in ("main thread", "busiest other thread", "all other threads"):
@@ -202,6 +238,13 @@ def main() -> None:
     for kind in kinds:
         lines.append(f"| rank 0 samples: {kind} | "
                      + " | ".join(f"{shares[n].get(kind, 0.0):.0f} %" for n in names) + " |")
+    # The same shares as time per pass: the share of the window over the passes in it.
+    per_pass = {n: 10 * first[n]["window_s"] / max(first[n]["passes_s"] * first[n]["window_s"], 1)
+                for n in names}  # ms per pass for 1 % of the samples
+    for kind in kinds:
+        lines.append(f"| rank 0 per logged pass (ms): {kind} | "
+                     + " | ".join(f"{shares[n].get(kind, 0.0) * per_pass[n]:.1f}" for n in names)
+                     + " |")
     write_section("elastic_overhead", "\n".join(lines))
 
 
