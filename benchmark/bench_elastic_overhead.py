@@ -177,7 +177,6 @@ def measure_cluster(spec: ClusterSpec, measure_s: float) -> dict:
         "failed": sum(not r.ok for r in results),
         "passes_s": passes["passes"] / (end - start),
         "decode_step_ms": passes["decode_step_ms"],
-        "window_s": end - start,
         "samples": samples,
         "cpu": cpu,
     }
@@ -238,9 +237,10 @@ def main() -> None:
     for kind in kinds:
         lines.append(f"| rank 0 samples: {kind} | "
                      + " | ".join(f"{shares[n].get(kind, 0.0):.0f} %" for n in names) + " |")
-    # The same shares as time per pass: the share of the window over the passes in it.
-    per_pass = {n: 10 * first[n]["window_s"] / max(first[n]["passes_s"] * first[n]["window_s"], 1)
-                for n in names}  # ms per pass for 1 % of the samples
+    # The same shares as time per pass: 1 % of the samples is 10 ms of each second, shared by
+    # that second's passes.
+    per_pass = {n: 10 / first[n]["passes_s"] if first[n]["passes_s"] else float("nan")
+                for n in names}
     for kind in kinds:
         lines.append(f"| rank 0 per logged pass (ms): {kind} | "
                      + " | ".join(f"{shares[n].get(kind, 0.0) * per_pass[n]:.1f}" for n in names)
