@@ -20,6 +20,9 @@ from sglang_elastic_ep_testbed.cluster.observe import post_scale, wait_operation
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_DIR, write_tiny_model
 
+# A server's log stamp with ``SGLANG_LOG_MS=1`` (local time, as its log writes it).
+LOG_MS_TIME = "%Y-%m-%d %H:%M:%S.%f"
+
 # The first completions come a while after the load starts; a steady window that opens with the
 # load starts this much later, so that wait does not count as a gap in serving.
 WARM_UP_S = 2.0

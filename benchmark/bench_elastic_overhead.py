@@ -30,7 +30,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import section_head, write_section  # noqa: E402
-from _scenario import WARM_UP_S  # noqa: E402
+from _scenario import LOG_MS_TIME, WARM_UP_S  # noqa: E402
 
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.procs import py_spy  # noqa: E402
@@ -125,7 +125,7 @@ def rank0_passes(log: str, start_wall: float, end_wall: float) -> dict[str, floa
     passes: list[tuple[float, str]] = []
     for line in log.splitlines():
         if m := RANK0_PASS.match(line):
-            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            at = datetime.strptime(m.group(1), LOG_MS_TIME).timestamp()
             if start_wall <= at <= end_wall:
                 passes.append((at, m.group(2)))
     steps = [(b - a) * 1000 for (a, _), (b, kind) in zip(passes, passes[1:], strict=False)

@@ -21,7 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import requests_text, write_table  # noqa: E402
-from _scenario import WARM_UP_S, logged, operation_succeeded, tiny_spec  # noqa: E402
+from _scenario import (  # noqa: E402
+    LOG_MS_TIME,
+    WARM_UP_S,
+    logged,
+    operation_succeeded,
+    tiny_spec,
+)
 
 from sglang_elastic_ep_testbed.cluster import LoadClient, LocalCluster, ServerProcess  # noqa: E402
 from sglang_elastic_ep_testbed.cluster.load import longest_gap  # noqa: E402
@@ -30,11 +36,10 @@ from sglang_elastic_ep_testbed.cluster.waits import wait_until  # noqa: E402
 
 MODES = {"prepared": {}, "upstream order": {"SGLANG_EEP_JOINER_PREPARE": "0"}}
 RIGHT_AFTER_S = 5.0  # the window right after the commit; the 3-rank steady state follows it
-LOG_TIME = "%Y-%m-%d %H:%M:%S.%f"
 
 
 def _log_time(line: str) -> datetime:
-    return datetime.strptime(line[1:24], LOG_TIME)
+    return datetime.strptime(line[1:24], LOG_MS_TIME)
 
 
 def _monotonic_of(wall_s: float) -> float:
