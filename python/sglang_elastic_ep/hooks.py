@@ -180,6 +180,13 @@ HOOKS: tuple[Hook, ...] = (
          "tells the barrier inside it this rank's side (a rank that joined earlier keeps the "
          "joiner flag); upstream's commit marks every new slot live: joiners the barrier "
          "counted out are marked failed after it, so the survivors let their slots go"),
+    Hook(f"{S}model_executor.model_runner.broadcast_global_expert_location_metadata",
+         "sglang.expert_map_broadcast:checked_expert_map_broadcast", "AROUND",
+         "Mooncake completes a broadcast whose joiner hung and leaves the source's map "
+         "overwritten: the source keeps what it sent before the metadata is built from it"),
+    Hook(f"{EEP}.broadcast_global_expert_location_metadata",
+         "sglang.expert_map_broadcast:checked_expert_map_broadcast", "AROUND",
+         "the same broadcast when survivors take a replacement back"),
     Hook(f"{S}model_executor.model_runner.ModelRunner.post_capture_elastic_ep_recover",
          "sglang.launch_recovery:rejoin_then_reload_moved_experts", "AROUND",
          "a replacement loaded its experts for the launch layout; EPLB or a scale-down may have "

@@ -6,8 +6,10 @@ steady greedy load; a scale joiner for rank 2 is launched and ``new_ep_size: 3``
 joiner is killed (or stopped) the moment rank 0 logs that it enters the scale-up (the pass every
 rank agreed to admit it on). A stopped joiner is a hung one: alive, its connections open, but it
 never acknowledges the admission, as a joiner stuck in Mooncake's ``join_group`` did
-(docs/cpu-testbed.md); the orchestrator kills it before it relaunches the slot. Where the fault
-lands decides which of two states follows, and both have an action that works:
+(docs/cpu-testbed.md); the orchestrator kills it before it relaunches the slot. A third run
+stops the joiner only once a serving rank logs that Mooncake's view has admitted it: the joiner
+acknowledged its admission, and the expert map's broadcast that follows waits for it. Where
+the fault lands decides which of two states follows, and both have an action that works:
 - before the commit: the scale-up fails, the size stays 2 and slot 2 is safe to terminate; a
   new joiner and a new POST grow the cluster to 3;
 - after it: the scale-up committed and rank 2 failed right after; the survivors let its slot
@@ -42,14 +44,21 @@ from sglang_elastic_ep_testbed.cluster.plans import (
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
 LOAD_CLIENTS = 2
+ENTERS = "rank 0 enters the scale-up to 3"  # the agreed pass, before the admission
+ADMITTED = "has admitted ranks [2]"  # a serving rank's line once Mooncake's WORLD view has it
 SCALE_TIMEOUT_S = 240  # --elastic-ep-scale-timeout (above the 120 s drain timeout): a scale-up
 # left pending fails by then
 
 
 @pytest.mark.long  # about 3 minutes each: outside the suite
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("fault", ["killed", "stopped"])
-def test_a_joiner_killed_or_hung_on_the_pass_that_admits_it(tiny_model: Path, fault: str) -> None:
+@pytest.mark.parametrize(("fault", "moment"), [
+    ("killed", ENTERS), ("stopped", ENTERS),
+    # Stopped once Mooncake's view has it: its admission is acknowledged, and the expert map's
+    # broadcast right after waits for it (docs/design.md, "The expert map's broadcast").
+    ("stopped", ADMITTED)])
+def test_a_joiner_killed_or_hung_on_the_pass_that_admits_it(tiny_model: Path, fault: str,
+                                                            moment: str) -> None:
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
                        extra_args=["--ep-num-redundant-experts", "16",
                                    "--elastic-ep-scale-timeout", str(SCALE_TIMEOUT_S)])
@@ -63,8 +72,8 @@ def test_a_joiner_killed_or_hung_on_the_pass_that_admits_it(tiny_model: Path, fa
             offset = primary_log.stat().st_size
             joiner = cluster.start_joiner("scale", rank_offset=2)
             post_scale(url, 3, "grow")
-            wait_until(lambda: "enters the scale-up to 3" in log_since(primary_log, offset),
-                       CHANGE_S, "rank 0 entering the scale-up to 3", poll_s=0.02)
+            wait_until(lambda: moment in log_since(primary_log, offset),
+                       CHANGE_S, f"rank 0 logging {moment!r}", poll_s=0.02)
             kills.append(time.monotonic())
             if fault == "killed":
                 cluster.kill_server(joiner)

@@ -9,7 +9,7 @@ host copy and idles the failed and stale rows. The fallback for passes without a
 
 One process (world size 1): the peers' rows are written into the tensor before the collective,
 as a completed sum would hold them. Mooncake is not on the GPU machine, so its verdict on the
-all-reduce (``_failed_peers``) is given; the real one is read in
+all-reduce (``failed_peers``) is given; the real one is read in
 ``test/integration/test_failed_gather_repair.py`` (CPU). Each case runs on the CPU too, the
 twin CI runs.
 """
@@ -105,7 +105,7 @@ def test_a_failed_pass_takes_this_ranks_row_from_the_device_copy(
     seen, host = gather(sent_rows(device), group, seen_through=True)
     host += W.STALE  # what a dead peer's stale receive buffer adds to every row
     info = W.GatherInfo(host, ROWS)
-    monkeypatch.setattr(gather_repair, "_failed_peers", lambda work: [VICTIM])
+    monkeypatch.setattr(gather_repair, "failed_peers", lambda work: [VICTIM])
     monkeypatch.setattr(dist, "get_backend", lambda g: "mooncake-cpu")
     failed = gather_repair.repair_after_failed_gather(info, seen, group, checked=True)
     assert failed == [VICTIM]
@@ -128,12 +128,12 @@ def test_a_failed_peers_row_is_its_row_of_the_last_healthy_gather(
     group = groups[device]
     monkeypatch.setattr(dist, "get_backend", lambda g: "mooncake-cpu")
     last = gather_repair.LastGatheredRows()
-    monkeypatch.setattr(gather_repair, "_failed_peers", lambda work: None)  # a healthy pass
+    monkeypatch.setattr(gather_repair, "failed_peers", lambda work: None)  # a healthy pass
     seen, host = gather(sent_rows(device), group, seen_through=True)
     assert gather_repair.repair_after_failed_gather(W.GatherInfo(host, ROWS), seen, group,
                                                     checked=True, last=last) == []
     assert last.rows.tolist() == sent_rows("cpu").tolist()
-    monkeypatch.setattr(gather_repair, "_failed_peers", lambda work: [VICTIM])
+    monkeypatch.setattr(gather_repair, "failed_peers", lambda work: [VICTIM])
     seen, host = gather(sent_rows(device), group, seen_through=True)
     host += W.STALE
     info = W.GatherInfo(host, ROWS)

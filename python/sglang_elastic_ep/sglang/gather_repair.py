@@ -188,7 +188,7 @@ def seeing_the_all_reduce(group: Any) -> Iterator[AllReduceSeen]:
         dist.all_reduce = original
 
 
-def _failed_peers(work: Any) -> list[int] | None:
+def failed_peers(work: Any) -> list[int] | None:
     """The peers a Mooncake collective marked failed on this rank, or None when it completed
     with every peer it tried (or the group is not Mooncake's: nothing to ask)."""
     try:
@@ -213,7 +213,7 @@ def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
 
     if seen.work is None or not str(dist.get_backend(group)).startswith("mooncake"):
         return []
-    failed = _failed_peers(seen.work)
+    failed = failed_peers(seen.work)
     if failed is None:
         if last is not None:
             last.keep(info)

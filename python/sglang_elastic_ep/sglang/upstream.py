@@ -53,6 +53,13 @@ def elastic_ep_module() -> Any:
     return elastic_ep
 
 
+def expert_location_module() -> Any:
+    """Upstream's ``sglang.srt.eplb.expert_location`` module (the expert map's metadata)."""
+    from sglang.srt.eplb import expert_location
+
+    return expert_location
+
+
 def expert_location_metadata() -> Any:
     """The global ``ExpertLocationMetadata`` (None before the model runner built it)."""
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
