@@ -201,6 +201,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{EEP}._wait_for_peer_state", "sglang.world_view:wait_for_group_peers", "AROUND",
          "upstream waits forever for a replacement to register in each launch-time group; "
          "one killed as it is taken back never does, and the survivors would stop serving"),
+    Hook(f"{EEP}._maybe_create_message_queue", "sglang.world_view:group_queue_unless_gone",
+         "AROUND",
+         "the group's message queue then waits on zmq with no end for every member to "
+         "subscribe; a replacement killed right after its group took it back never does"),
     Hook(f"{EEP}.maybe_rebalance_after_rank_fault",
          "sglang.scale_progress:rebalance_after_rank_fault", "AROUND",
          "without --enable-eplb upstream dereferences a None EPLB manager on a rank fault"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from sglang_elastic_ep.sglang.world_view import (
     ReplacementGone,
     WorldQuiesce,
+    queue_ready_unless_gone,
     quiesce_key,
     store_barrier,
     wait_for_local_view,
@@ -167,3 +169,58 @@ def test_the_group_wait_gives_up_on_a_replacement_world_counts_out() -> None:
                                 sleep=polls.append)
     assert len(polls) == 1  # one poll while both were still in WORLD, none after
 
+
+
+class QueueSocket:
+    """One zmq socket of a message queue: each message arrives after ``delay`` empty polls."""
+
+    def __init__(self, messages: list[bytes], delay: int = 0) -> None:
+        self.messages, self.delay, self.empty_polls, self.sent = list(messages), delay, 0, []
+
+    def poll(self, timeout_ms: int) -> int:
+        if not self.messages or self.empty_polls < self.delay:
+            self.empty_polls += 1
+            return 0
+        self.empty_polls = 0
+        return 1
+
+    def recv(self) -> bytes:
+        return self.messages.pop(0)
+
+    def send(self, message: bytes) -> None:
+        self.sent.append(message)
+
+
+def message_queue(role: str, local: QueueSocket, remote: QueueSocket, n_local: int = 0,
+                  n_remote: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(_is_writer=role == "writer", _is_local_reader=role == "local",
+                           _is_remote_reader=role == "remote", local_socket=local,
+                           remote_socket=remote, n_local_reader=n_local,
+                           n_remote_reader=n_remote)
+
+
+def test_the_queue_writer_answers_ready_once_every_reader_subscribed() -> None:
+    local, remote = QueueSocket([b"sub"]), QueueSocket([b"sub", b"sub"], delay=3)
+    asked: list[int] = []
+    queue_ready_unless_gone(message_queue("writer", local, remote, n_local=1, n_remote=2),
+                            lambda: asked.append(1) or [])
+    assert (local.sent, remote.sent) == ([b"READY"], [b"READY"])
+    assert len(asked) == 6  # asked WORLD on each empty poll, never gave up
+
+
+def test_the_queue_wait_gives_up_once_a_member_left_world() -> None:
+    remote = QueueSocket([b"sub"], delay=10)
+    views = iter([[], [], [1]])
+    with pytest.raises(ReplacementGone, match=r"ranks \[1\] left Mooncake's WORLD"):
+        queue_ready_unless_gone(message_queue("writer", QueueSocket([]), remote, n_remote=1),
+                                lambda: next(views))
+    assert remote.sent == [] and remote.messages == [b"sub"]
+
+
+def test_a_queue_reader_waits_for_ready() -> None:
+    remote = QueueSocket([b"READY"], delay=2)
+    queue_ready_unless_gone(message_queue("remote", QueueSocket([]), remote), lambda: [])
+    assert remote.messages == []
+    with pytest.raises(RuntimeError, match="expected READY"):
+        queue_ready_unless_gone(message_queue("local", QueueSocket([b"junk"]), remote),
+                                lambda: [])

@@ -30,6 +30,7 @@ collective returns only after its flags were cleared.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -211,7 +212,7 @@ def world_members_alive(ranks: Sequence[int]) -> list[bool]:
 
 
 class ReplacementGone(RuntimeError):
-    """A replacement being taken back died before it registered in one of its groups."""
+    """A replacement being taken back died before its launch-time groups were ready for it."""
 
 
 def wait_for_peers_in_world(peers_ready: Callable[[], bool], global_ranks: Sequence[int],
@@ -241,3 +242,60 @@ def wait_for_group_peers(original: Callable[[Any, list[int]], None], backend: An
                             world_members_alive)
     return None
 
+
+
+def queue_ready_unless_gone(queue: Any, gone: Callable[[], list[int]],
+                            poll_ms: int = 200) -> None:
+    """Upstream's ``MessageQueue.wait_until_ready`` (the writer waits for every reader's
+    subscription and answers READY; a reader waits for that READY), each receive polled so that
+    the wait ends with ``ReplacementGone`` once ``gone()`` names a member that left WORLD."""
+
+    def receive(socket: Any) -> bytes:
+        while not socket.poll(poll_ms):
+            dead = gone()
+            if dead:
+                raise ReplacementGone(f"ranks {dead} left Mooncake's WORLD before their "
+                                      "launch-time group's message queue was ready")
+        return socket.recv()
+
+    if queue._is_writer:
+        for socket, readers in ((queue.local_socket, queue.n_local_reader),
+                                (queue.remote_socket, queue.n_remote_reader)):
+            for _ in range(readers):
+                receive(socket)
+            if readers > 0:
+                socket.send(b"READY")
+    elif queue._is_local_reader or queue._is_remote_reader:
+        socket = queue.local_socket if queue._is_local_reader else queue.remote_socket
+        answer = receive(socket)
+        if answer != b"READY":
+            raise RuntimeError(f"message queue handshake: expected READY, got {answer!r}")
+
+
+def group_queue_unless_gone(original: Callable[[Any], None], group: Any) -> None:
+    """AROUND ``elastic_ep._maybe_create_message_queue`` (a launch-time group, while the
+    survivors take replacements back): upstream's queue, whose readiness handshake waits on
+    zmq with no end for a replacement that died after its group took it back, given up
+    (``ReplacementGone``) once WORLD counts a member of the group out."""
+    if elastic_state() is None:
+        return original(group)
+    from sglang.srt.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    members = list(group.ranks)
+
+    def gone() -> list[int]:
+        return [r for r, up in zip(members, world_members_alive(members), strict=True) if not up]
+
+    upstream_wait = MessageQueue.wait_until_ready
+    thread = threading.get_ident()
+
+    def wait_until_ready(queue: Any) -> None:
+        if threading.get_ident() != thread:
+            return upstream_wait(queue)
+        return queue_ready_unless_gone(queue, gone)
+
+    MessageQueue.wait_until_ready = wait_until_ready
+    try:
+        return original(group)
+    finally:
+        MessageQueue.wait_until_ready = upstream_wait
