@@ -53,10 +53,11 @@ SCALE_TIMEOUT_S = 240  # --elastic-ep-scale-timeout (above the 120 s drain timeo
 @pytest.mark.long  # about 3 minutes each: outside the suite
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(("fault", "moment"), [
-    ("killed", ENTERS), ("stopped", ENTERS),
+    pytest.param("killed", ENTERS, id="killed"),
+    pytest.param("stopped", ENTERS, id="stopped"),
     # Stopped once Mooncake's view has it: its admission is acknowledged, and the expert map's
     # broadcast right after waits for it (docs/design.md, "The expert map's broadcast").
-    ("stopped", ADMITTED)])
+    pytest.param("stopped", ADMITTED, id="stopped-after-admission")])
 def test_a_joiner_killed_or_hung_on_the_pass_that_admits_it(tiny_model: Path, fault: str,
                                                             moment: str) -> None:
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
