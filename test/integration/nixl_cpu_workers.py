@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
             return set()
 
         buf._handshake = handshake_then_hang  # type: ignore[method-assign]
+    if args.membership_in_store:
+        # The membership as the driver tells it: a rank is out once its "out" key is set.
+        buf.peers_alive = lambda ranks: [not store.check([store_key("out", r)]) for r in ranks]
     # The one line that picks the membership driver: the plugin's own module.
     membership = NixlMembership(reconnect_grace_s=0.0)
     membership.attach(
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--incarnation", required=True)
     p.add_argument("--timeout-ms", type=int, default=3000)
     p.add_argument("--die-in-connect", action="store_true")
+    p.add_argument("--membership-in-store", action="store_true")
     return run(p.parse_args(argv))
 
 

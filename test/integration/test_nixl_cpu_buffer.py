@@ -326,6 +326,34 @@ def test_joiner_dying_in_its_first_handshake_does_not_hang_the_others(cluster_fa
     assert rank0.wait(timeout=30) == 0
 
 
+def test_a_joiner_hung_in_its_first_handshake_is_given_up_once_the_membership_counts_it_out(
+        cluster_factory) -> None:
+    """Rank 1 joins, publishes its handshake key and is stopped (SIGSTOP: alive to NIXL, never
+    answering), as a joiner that hung right after its admission: rank 0's connect gives up on it
+    once the membership counts it out (Mooncake's WORLD on a server), instead of waiting out
+    the connect timeout and raising, masks it, and serves on."""
+    plan = [[0], [0, 1]]
+    cluster = cluster_factory(plan)
+    rank0 = cluster.spawn(0, 0, "--membership-in-store")
+    assert cluster.get(W.store_key("res", 0, 0))["fp32"]["counts"] is not None
+    joiner = cluster.spawn(1, 1, "--die-in-connect")
+    try:
+        cluster.store.wait([W.store_key("victim", 1, 1)], timedelta(seconds=60))
+        os.kill(joiner.pid, signal.SIGSTOP)
+        cluster.store.set(W.store_key("out", 1), b"1")
+        report = cluster.get(W.store_key("res", 1, 0))
+    finally:
+        os.kill(joiner.pid, signal.SIGKILL)
+        joiner.wait(timeout=10)
+    assert report["mask"][1] == 1, report["mask"]
+    # A connect that waits out its timeout (40 s) raises: no report. A stopped agent takes
+    # writes, so nothing but the membership ends the wait.
+    assert "left the membership" in report["reasons"][1], report["reasons"]
+    x, _, _ = W.phase_inputs(1, 0, 2, "fp32")
+    assert report["fp32"]["out"].shape == x.shape
+    assert rank0.wait(timeout=30) == 0
+
+
 # ----------------------------------------------------------------------------- single process
 
 

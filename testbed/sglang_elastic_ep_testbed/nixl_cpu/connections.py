@@ -13,7 +13,7 @@ import logging
 import os
 import pickle
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +31,7 @@ HANDSHAKE_REFRESH_S = 0.1
 # in the store, died (a live NIXL agent accepts writes even while its process is busy).
 PEER_GONE_S = float(os.environ.get("SGLANG_EEP_NIXL_CPU_PEER_GONE_S", "10"))
 KEY_POLL_S = 0.005  # while a peer's key has not appeared yet
+MEMBERSHIP_CHECK_S = 1.0  # how often a handshake asks ``peers_alive`` about the peers it awaits
 WITHDRAWN = b""  # a rank's handshake key once its handshake is over
 
 
@@ -50,6 +51,10 @@ class RankConnections(NixlTransport):
     connect_timeout_s: float
     # None here; the CPU engine's buffer parks Mooncake's spinning worker through the wait.
     handshake_wait_parker: HandshakeWaitParker | None = None
+    # Which of the given ranks are still members (None: no membership to ask). The CPU
+    # engine's buffer asks Mooncake's WORLD, so that a peer that hung after it published its
+    # key (alive to NIXL, never answering) is given up once WORLD counts it out.
+    peers_alive: Callable[[list[int]], list[bool]] | None = None
 
     def set_tcp_store_group(self, tcp_store_group: Any) -> None:
         self.tcp_store_group = tcp_store_group
@@ -213,8 +218,15 @@ class RankConnections(NixlTransport):
         waiting = set(ranks)
         backoff = _Backoff()
         me = self.agent_name.encode()
+        last_membership_check = time.monotonic()
         while True:
             now = time.monotonic()
+            left: set[int] = set()
+            if (self.peers_alive is not None and waiting
+                    and now - last_membership_check >= MEMBERSHIP_CHECK_S):
+                last_membership_check = now
+                asked = sorted(waiting)
+                left = {r for r, up in zip(asked, self.peers_alive(asked), strict=True) if not up}
             for r in sorted(waiting):
                 # (Re)read the peer's key: at first, and while its handshake is missing (a
                 # replacement process may have published newer metadata).
@@ -238,10 +250,13 @@ class RankConnections(NixlTransport):
                                 failed_at.pop(r, None)
                                 failing_since.pop(r, None)
                                 acked.discard(r)
-                if now - failing_since.get(r, now) >= PEER_GONE_S:
+                counted_out = r in left
+                if counted_out or now - failing_since.get(r, now) >= PEER_GONE_S:
                     waiting.discard(r)
                     gone.add(r)
-                    reason = (f"rank {r} refused the handshake for {PEER_GONE_S:g} s: the "
+                    reason = (f"rank {r} left the membership during the handshake (it hung or "
+                              "died)" if counted_out else
+                              f"rank {r} refused the handshake for {PEER_GONE_S:g} s: the "
                               "process died")
                     if r in self._peers:
                         self._mask(self._peers[r], reason)
