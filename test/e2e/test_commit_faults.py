@@ -57,7 +57,12 @@ SCALE_TIMEOUT_S = 240  # --elastic-ep-scale-timeout (above the 120 s drain timeo
     pytest.param("stopped", ENTERS, id="stopped"),
     # Stopped once Mooncake's view has it: its admission is acknowledged, and the expert map's
     # broadcast right after waits for it (docs/design.md, "The expert map's broadcast").
-    pytest.param("stopped", ADMITTED, id="stopped-after-admission")])
+    pytest.param("stopped", ADMITTED, id="stopped-after-admission", marks=pytest.mark.known_hang(
+        "a joiner stopped after it acknowledged its admission: the source of the expert map's "
+        "broadcast leaves it at once, another serving rank only after Mooncake's 60 s on the "
+        "stopped peer, and the two then count the commit barrier's all-reduce differently "
+        "inside Mooncake, one waiting in it for good (docs/cpu-testbed.md, 'A joiner or "
+        "replacement killed on its admission pass')"))])
 def test_a_joiner_killed_or_hung_on_the_pass_that_admits_it(tiny_model: Path, fault: str,
                                                             moment: str) -> None:
     spec = ClusterSpec(tiny_model, ep_size=2, max_ep_size=4, moe_a2a_backend="nixl",
