@@ -243,7 +243,6 @@ def wait_for_group_peers(original: Callable[[Any, list[int]], None], backend: An
     return None
 
 
-
 def queue_ready_unless_gone(queue: Any, gone: Callable[[], list[int]],
                             poll_ms: int = 200) -> None:
     """Upstream's ``MessageQueue.wait_until_ready`` (the writer waits for every reader's
