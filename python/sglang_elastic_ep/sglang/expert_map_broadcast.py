@@ -5,9 +5,8 @@ over WORLD and builds the new expert-location metadata from the tensor right aft
 (``broadcast_global_expert_location_metadata``). Mooncake completes a broadcast whose peer
 stopped answering: a joiner hung on the pass that admits it keeps its connections open, the
 transfer engine drops the session after 30 s without progress, and the collective's timeout
-ends the wait. The source's tensor then holds what its receive buffer held, not the map it
-sent: building the metadata from it indexed past the experts (``IndexError``), and rank 0's
-scheduler died with its server.
+ends the wait. The source's tensor can then hold what its receive buffer held, not the map it
+sent, and metadata built from it would index past the experts and end the scheduler.
 
 So the broadcast is checked before the metadata is built:
 
