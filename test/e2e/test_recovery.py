@@ -31,6 +31,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -60,6 +61,7 @@ from sglang_elastic_ep_testbed.cluster.plans import (
     steps_of,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
+from sglang_elastic_ep_testbed.cpu.fault_injection import ENV_STALL_S
 
 
 def event_types(events: list[dict], ranks: list[int]) -> list[str]:
@@ -179,6 +181,29 @@ def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -
     joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
     assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
     assert read_status(cluster.url)["effective_ep_size"] == 3
+
+
+@pytest.mark.long  # about 7 minutes on a cluster of its own: outside the suite
+@pytest.mark.timeout(1800)
+def test_a_node_hung_beside_a_killed_joiner_is_named_by_the_stall_and_both_come_back(
+        tiny_model: Path) -> None:
+    """The plan of ``node_and_joiner_killed_together`` with node 1 hung in its pass instead of
+    killed (SIGUSR1: its process and its Mooncake agent stay alive), beside the joiner's kill:
+    rank 0 waits for node 1 in its collective for good, and Mooncake never fails a live peer.
+    The stall report names rank 2 (dead) at once, and node 1 as well once Mooncake has had the
+    time to count rank 2 out; ending what it names, as an orchestrator does, frees rank 0,
+    which serves alone until both relaunches are back at 3 ranks."""
+    steps = load_plan(TOGETHER)
+    spec = replace(plan_spec(tiny_model, steps), extra_env={ENV_STALL_S: "3600"})
+    with LocalCluster(spec) as cluster:
+        run_plan(cluster, steps, concurrency=4, kill="hang_first")
+        survivor_log = cluster.primary.log_path.read_text(errors="replace")
+        assert "elastic EP: serving stalled" in survivor_log
+        assert "elastic EP: serving resumed after a stall" in survivor_log
+        assert "ranks 2..2 failed; the survivors let go of their slots and serve on 2" \
+            in survivor_log
+        assert "launch-time ranks [1] rejoined: serving on 2 ranks again" in survivor_log
+        assert read_status(cluster.url)["effective_ep_size"] == 3
 
 
 @pytest.mark.long  # about 8 minutes on a cluster of its own: outside the suite

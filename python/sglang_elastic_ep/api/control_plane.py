@@ -36,6 +36,7 @@ from sglang_elastic_ep.core.api_models import (
     RankJoinedEvent,
     RankPosition,
     RankRecoveredEvent,
+    RankState,
     RecoveryRequiredEvent,
     SafeToTerminateEvent,
     ScaleRequest,
@@ -48,7 +49,7 @@ from sglang_elastic_ep.core.health import HealthConfig, RankHealthMonitor, Recov
 from sglang_elastic_ep.core.membership import Membership
 from sglang_elastic_ep.core.operations import Admission, Operation, OperationRegistry
 from sglang_elastic_ep.core.phases import Phase
-from sglang_elastic_ep.core.stall import describe_positions
+from sglang_elastic_ep.core.stall import describe_positions, ranks_to_end, stall_action
 from sglang_elastic_ep.core.validation import (
     ScaleTopology,
     ScaleVerdict,
@@ -432,10 +433,12 @@ class InProcessControlPlane:
         return health
 
     def observe_stall(self, since: float | None, waiting_requests: int,
-                      positions: list[RankPosition] | None = None) -> None:
+                      positions: list[RankPosition] | None = None,
+                      count_out_s: float | None = None) -> None:
         """The stall watch's verdict (``core.stall``): stalled since ``since``, or not, and
         where each scheduler is (``positions``). With no request waiting, the verdict came from
-        the positions alone (a scheduler stuck in a pass of an idle server)."""
+        the positions alone (a scheduler stuck in a pass of an idle server). ``count_out_s``:
+        how long Mooncake takes to count a silent member out (``mooncake_count_out_s``)."""
         if since is None:
             if self._stalled is not None:
                 logger.warning("elastic EP: serving resumed after a stall of %.0f s",
@@ -453,16 +456,21 @@ class InProcessControlPlane:
         else:
             what = (f"no request waits, but a scheduler has been in one step of a pass for "
                     f"{now - since:.0f} s")
+        serving = [r.rank for r in self.status().ranks
+                   if r.state in (RankState.ACTIVE, RankState.LEAVING)]
+        counted_out = count_out_s is not None and now - since > count_out_s
+        # Rank 0 hosts the HTTP server: it is named only when nothing else frees it.
+        to_end = ranks_to_end(positions, serving, own_from=1, counted_out=counted_out)
         if self._stalled is None:
             logger.warning("elastic EP: serving stalled: %s (phase %s): %s", what, phase.value,
                            where)
         self._stalled = StallStatus(
             since=since, stalled_s=round(now - since, 3), waiting_requests=waiting_requests,
-            phase=phase, ranks=positions,
+            phase=phase, ranks=positions, count_out_s=count_out_s,
+            ranks_to_relaunch=sorted(to_end),
             message=(f"{what} (phase {phase.value}): {where}. A scheduler is stuck, often in a "
                      "collective whose peer never came; the schedulers' stacks (py-spy dump) "
-                     "show where. Serving resumes by itself if the peer arrives; else restart "
-                     "it"),
+                     f"show where. {stall_action(to_end)}"),
         )
         self.refresh_metrics()
 

@@ -344,6 +344,17 @@ class StallStatus(_Strict):
         description="Each scheduler's step and how long it has been in it (empty when the "
                     "reports cannot be read: no --dist-init-addr, or rank 0, which hosts them, "
                     "is stopped itself).")
+    count_out_s: float | None = Field(
+        default=None,
+        description="How long Mooncake takes to take a silent member (dead, or stopped whole) "
+                    "out of every group: its heartbeat timeout, the fault window and the "
+                    "collective timeout. Past it, the live ranks of a stall wait on each other.")
+    ranks_to_relaunch: list[int] = Field(
+        default_factory=list,
+        description="The ranks whose end frees the others' passes, and those Mooncake counted "
+                    "out: end each one's process and relaunch it with --ep-join-mode recover "
+                    "and its original arguments (never rank 0, which hosts the HTTP server; "
+                    "only [0] means a restart). Empty when the positions are unknown.")
     message: str
 
 

@@ -587,14 +587,24 @@ class ElasticController:
         (none already ``troubled``)."""
         stall = status.stalled
         after = self.config.heal_stall_after_s
+        if not self.config.heal or stall is None or not 0 < after <= stall.stalled_s:
+            return {}
+        counted_out = stall.count_out_s is not None and stall.stalled_s > stall.count_out_s
         # With a rank failed, the survivors' stall is that failure's handling (they wait for
-        # Mooncake to count it out): its replacement is the way on, not another end.
-        if (not self.config.heal or stall is None or not 0 < after <= stall.stalled_s
-                or any(r.state is RankState.FAILED for r in status.ranks)):
+        # Mooncake to count it out): its replacement is the way on, not another end; unless
+        # the stall outlasted that count, when the live ranks wait on each other.
+        if any(r.state is RankState.FAILED for r in status.ranks) and not counted_out:
             return {}
         active = {r.rank for r in status.ranks if r.state is RankState.ACTIVE}
-        stuck = ranks_to_end(stall.ranks, active, self.config.first_own_rank)
-        return {rank: why for rank, why in stuck.items() if rank not in troubled}
+        own = self.config.first_own_rank
+        stuck = ranks_to_end(stall.ranks, active, own, counted_out)
+        if any(rank < own for rank in stuck):
+            # Launch-time ranks are only named: the one whose end frees the rest (rank 0,
+            # which hosts the HTTP server, only when nothing else does).
+            named = ranks_to_end(stall.ranks, active, 1, counted_out)
+            stuck = {**{r: why for r, why in stuck.items() if r >= own},
+                     **{r: why for r, why in named.items() if r < own}}
+        return {rank: why for rank, why in sorted(stuck.items()) if rank not in troubled}
 
     def _failures(self, status: StatusResponse, span: range) -> int:
         """How often the ranks of ``span`` failed since their slot was filled (at least 1)."""

@@ -90,36 +90,82 @@ def describe_positions(positions: list[RankPosition]) -> str:
     return "; ".join(clauses)
 
 
+# Mooncake's coordinator takes a rank whose agent sent no heartbeat for this long out of every
+# group (``kHeartbeatTimeout`` in its coordinator), whatever the link reports say.
+MOONCAKE_HEARTBEAT_TIMEOUT_S = 30.0
+# Mooncake's own values of the two timeouts the server may set (its defaults when unset).
+MOONCAKE_DEFAULT_COLLECTIVE_TIMEOUT_S = 10.0
+MOONCAKE_DEFAULT_FAULT_WINDOW_S = 30.0
+
+
+def mooncake_count_out_s(collective_timeout_s: float | None, fault_window_s: float | None
+                         ) -> float:
+    """How long after its last report a silent member is out of every Mooncake group: its
+    heartbeat times out, a fault window opened by then closes, and a collective that waited on
+    it times out and probes it. A stall longer than this is not a silent member's: the live
+    ranks in it wait on each other."""
+    timeout = (MOONCAKE_DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout_s is None
+               else collective_timeout_s)
+    window = MOONCAKE_DEFAULT_FAULT_WINDOW_S if fault_window_s is None else fault_window_s
+    return MOONCAKE_HEARTBEAT_TIMEOUT_S + window + timeout
+
+
 def ranks_to_end(positions: list[RankPosition], active: Collection[int],
-                 own_from: int) -> dict[int, str]:
+                 own_from: int, counted_out: bool = False) -> dict[int, str]:
     """The schedulers of a stalled deployment whose end lets the others' passes go on, each
     with why; ``own_from``: the lowest rank an orchestrator may end and relaunch (the ranks
-    below are the launch-time server's, only named).
+    below are the launch-time server's, only named); ``counted_out``: the stall has outlasted
+    ``mooncake_count_out_s``.
 
     The one holding the others up: a scheduler that stopped reporting, else one a pass behind
-    the rest, else (all in the same step of the same pass) each of them. When that names no
-    rank from ``own_from`` on, the highest live one from there is ended instead: a collective
+    the rest, else (all in the same step of the same pass) each of them. Once the stall is
+    counted out, Mooncake has taken the silent ones out of its groups, so the others no longer
+    wait on them: the live ones are looked at as if the silent ones were gone, and the silent
+    ones are still named (dead or stopped, each needs its relaunch). When that names no rank
+    from ``own_from`` on, the highest live one from there is ended instead: a collective
     waiting on a peer whose process ended goes on without it (Mooncake probes a silent peer's
     liveness once the collective times out), so ending any member frees the others."""
     live = [p for p in positions if p.rank in active]
     stopped = [p for p in live if p.report_age_s > STOPPED_AFTER_S]
     reporting = [p for p in live if p.report_age_s <= STOPPED_AFTER_S]
-    if stopped:
-        culprits = {p.rank: f"stopped reporting {p.report_age_s:.0f} s ago while serving "
-                            "stalled" for p in stopped}
+    silent = {p.rank: f"stopped reporting {p.report_age_s:.0f} s ago while serving stalled"
+              for p in stopped}
+    if silent and not counted_out:
+        culprits = silent
     else:
         ahead = max((p.passes for p in reporting), default=0)
         behind = [p for p in reporting if p.passes < ahead]
         stuck = behind or [p for p in reporting if p.step not in RESTING_STEPS]
         culprits = {p.rank: f"stuck in step '{p.step}' for {p.in_step_s:.0f} s"
                             + (", a pass behind the others," if behind else "")
-                            + " while serving stalled" for p in stuck}
+                            + " while serving stalled"
+                            + (" past the time Mooncake takes to count a silent member out"
+                               if silent else "") for p in stuck}
     own = {rank: why for rank, why in culprits.items() if rank >= own_from}
-    if own:
-        return own
-    peers = [p for p in reporting if p.rank >= own_from]
-    if not culprits or not peers:
-        return culprits
-    freer = max(peers, key=lambda p: p.rank)
-    return {freer.rank: f"waits with rank(s) {sorted(culprits)} while serving stalled: ending "
-                        "it frees their collective"}
+    if not own:
+        peers = [p for p in reporting if p.rank >= own_from]
+        if culprits and peers:
+            freer = max(peers, key=lambda p: p.rank)
+            own = {freer.rank: f"waits with rank(s) {sorted(culprits)} while serving stalled: "
+                               "ending it frees their collective"}
+    chosen = own or culprits
+    # Listed once Mooncake counted them out: freeing the others does not bring them back.
+    gone = {rank: why for rank, why in silent.items() if counted_out and rank not in chosen}
+    return dict(sorted({**chosen, **gone}.items()))
+
+
+def stall_action(to_end: dict[int, str]) -> str:
+    """What an operator does about a stall, from ``ranks_to_end`` (``own_from=1``): the ranks to
+    end and relaunch in recover mode; a restart only when rank 0, which hosts the HTTP server,
+    is the one holding the others up."""
+    relaunch = {rank: why for rank, why in to_end.items() if rank != 0}
+    if relaunch:
+        reasons = "; ".join(f"rank {rank} {why}" for rank, why in relaunch.items())
+        return (f"Serving resumes by itself if the peer arrives; else end rank(s) "
+                f"{sorted(relaunch)} ({reasons}) and relaunch each with --ep-join-mode recover "
+                "and its original arguments: the others serve on meanwhile")
+    if to_end:
+        return ("Serving resumes by itself if the peer arrives; else restart the deployment: "
+                f"rank 0 holds the others up ({to_end[0]}) and it hosts the HTTP server")
+    return ("Serving resumes by itself if the peer arrives; else, with no position to say which "
+            "rank holds the others up, restart the deployment")

@@ -11,14 +11,13 @@ import logging
 import os
 from typing import Any
 
+from sglang_elastic_ep.core.stall import MOONCAKE_HEARTBEAT_TIMEOUT_S
+
 # Spawned SGLang children inherit the environment: the Mooncake timeout flags travel to the
 # process-group setup this way (read where WORLD's options are built).
 ENV_COLLECTIVE_TIMEOUT = "SGLANG_EEP_COLLECTIVE_TIMEOUT_S"
 ENV_FAULT_WINDOW = "SGLANG_EEP_FAULT_WINDOW_S"
 
-# Mooncake's coordinator takes a rank whose agent sent no heartbeat for this long out of every
-# group (``kHeartbeatTimeout`` in its coordinator), whatever the link reports say.
-MOONCAKE_HEARTBEAT_TIMEOUT_S = 30.0
 # A fault window this long closes after that timeout has taken a dead process's rank out, so a
 # survivor whose report is the only one in cannot be evicted in its place.
 FAULT_WINDOW_PAST_HEARTBEAT_S = MOONCAKE_HEARTBEAT_TIMEOUT_S + 5.0

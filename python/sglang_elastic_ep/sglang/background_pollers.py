@@ -105,12 +105,13 @@ class StallWatch:
     never its event loop (a stalled server's loop is busy waiting too)."""
 
     def __init__(self, tokenizer_manager: Any, plane: InProcessControlPlane,
-                 threshold_s: float) -> None:
+                 threshold_s: float, count_out_s: float | None = None) -> None:
         from sglang_elastic_ep.core.stall import StallDetector
 
         self._tm = tokenizer_manager
         self._plane = plane
         self._detector = StallDetector(threshold_s)
+        self._count_out_s = count_out_s  # core.stall.mooncake_count_out_s of the deployment
         self._store: KeyValueStore | None = None
         # The store's reads run here, bounded by READ_TIMEOUT_S: a store whose host (rank 0)
         # is stopped accepts the connection and never answers.
@@ -128,7 +129,7 @@ class StallWatch:
                        if r.state in (RankState.ACTIVE, RankState.LEAVING)]
             stuck_s = stuck_in_a_pass(positions, serving, self._detector.threshold_s)
             since = None if stuck_s is None else now - stuck_s
-        self._plane.observe_stall(since, waiting, positions)
+        self._plane.observe_stall(since, waiting, positions, self._count_out_s)
 
     def positions(self, now: float) -> list[RankPosition]:
         """Where the schedulers of the current size are (empty when unreadable in time)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from sglang_elastic_ep.api.control_plane import InProcessControlPlane
 from sglang_elastic_ep.core.health import HealthConfig
+from sglang_elastic_ep.core.stall import mooncake_count_out_s
 from sglang_elastic_ep.core.validation import ScaleTopology
 from sglang_elastic_ep.sglang.args import declared_max_ep_size
 from sglang_elastic_ep.sglang.background_pollers import (
@@ -89,7 +90,10 @@ def mount_on_server(result: Any, global_state: Any) -> None:
     start_refill_deadline_watch(plane)
     stall_timeout = float(getattr(server_args, "elastic_ep_stall_timeout", 60.0))
     if stall_timeout > 0:
-        StallWatch(tm, plane, stall_timeout).start(min(1.0, stall_timeout / 4))
+        count_out_s = mooncake_count_out_s(
+            getattr(server_args, "elastic_ep_collective_timeout", None),
+            getattr(server_args, "elastic_ep_fault_window", None))
+        StallWatch(tm, plane, stall_timeout, count_out_s).start(min(1.0, stall_timeout / 4))
     interval = float(getattr(server_args, "elastic_ep_health_interval", 2.0))
     if interval > 0:
         ExpertHealthPoller(tm, plane).start(interval)

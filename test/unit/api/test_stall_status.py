@@ -183,3 +183,29 @@ def test_an_idle_server_whose_rank_died_in_a_gather_is_not_stalled_by_that_rank(
                          server_args=SimpleNamespace(dist_init_addr="127.0.0.1:1"))
     StallWatch(tm, plane, threshold_s=5.0).check()
     assert plane.status().stalled is None
+
+
+def test_a_stall_names_the_ranks_to_relaunch_once_mooncake_counted_the_silent_one_out() -> None:
+    """Rank 2 died and ranks 0 and 1 wait on each other in one collective: until Mooncake
+    has counted rank 2 out, rank 2 is the one named; past that, rank 1 too (its end frees
+    rank 0), and the message says to relaunch them, not to restart."""
+    from sglang_elastic_ep.core.api_models import RankPosition
+
+    clock = Clock(1000.0)
+    plane = make_plane(engine=FakeEngine(), clock=clock, initial=3)
+    client = TestClient(make_app(plane))
+    positions = [RankPosition(rank=0, step="gather", in_step_s=61.0, passes=9, report_age_s=0.4),
+                 RankPosition(rank=1, step="gather", in_step_s=61.0, passes=9, report_age_s=0.6),
+                 RankPosition(rank=2, step="forward", in_step_s=70.0, passes=9,
+                              report_age_s=61.0)]
+    clock.t = 1061.0
+    plane.observe_stall(1000.0, waiting_requests=2, positions=positions, count_out_s=67.0)
+    early = client.get("/elastic_ep/status").json()["stalled"]
+    assert early["ranks_to_relaunch"] == [2] and early["count_out_s"] == 67.0
+    assert "end rank(s) [2]" in early["message"] and "restart" not in early["message"]
+    clock.t = 1080.0
+    plane.observe_stall(1000.0, waiting_requests=2, positions=positions, count_out_s=67.0)
+    late = client.get("/elastic_ep/status").json()["stalled"]
+    assert late["ranks_to_relaunch"] == [1, 2]
+    assert "end rank(s) [1, 2]" in late["message"]
+    assert "--ep-join-mode recover" in late["message"]

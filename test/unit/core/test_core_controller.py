@@ -549,16 +549,45 @@ def test_a_stopped_own_rank_is_relaunched_and_stuck_launch_time_ranks_only_repor
     stopped = [(0, "gather", 9, 0.5), (1, "gather", 9, 0.5), (2, "forward", 9, 45.0)]
     action = only(step(c, 100, stalled(status(3), 61, stopped)), Relaunch)
     assert action.spec.rank_offset == 2 and "stopped reporting 45 s ago" in action.reason
-    # Only launch-time ranks: nothing to end; the hold says what works.
+    # Only launch-time ranks: nothing to end; the hold names the one whose end frees rank 0
+    # (a pass behind) and says what works.
     c = ElasticController(config(heal_stall_after_s=60))
     stuck = step(c, 100, stalled(status(2), 61, [(0, "gather", 8, 0.5), (1, "gather", 9, 0.5)]))
     assert stuck.actions == ()
-    assert "rank(s) 0" in stuck.holds[0].reason and "restart the deployment" in \
-        stuck.holds[0].reason
+    assert [h.reason.split(" waits")[0] for h in stuck.holds] == ["rank(s) 1"]
+    assert "relaunch their node with --ep-join-mode recover" in stuck.holds[0].reason
+    # Rank 0 alone holds the others up, and no peer's end frees it: a restart.
+    alone = step(ElasticController(config(heal_stall_after_s=60)), 100,
+                 stalled(status(2), 61, [(0, "gather", 8, 0.5)]))
+    assert alone.actions == ()
+    assert "rank(s) 0" in alone.holds[0].reason and "restart the deployment" in \
+        alone.holds[0].reason
     behind_1 = step(ElasticController(config(heal_stall_after_s=60)), 100,
                     stalled(status(2), 61, [(0, "gather", 9, 0.5), (1, "forward", 8, 0.5)]))
     assert behind_1.actions == ()
     assert "relaunch their node with --ep-join-mode recover" in behind_1.holds[0].reason
+
+
+def test_a_stall_that_outlasts_mooncakes_count_out_of_a_failed_rank_is_healed() -> None:
+    """Rank 3 failed; ranks 0 and 1 never complete their collective and rank 2 waits for them
+    in the next. Within the time Mooncake takes to count rank 3 out, that is the failure's own
+    handling; past it, the live ranks wait on each other, and ending rank 2 frees them."""
+    waiting = [(0, "gather", 40, 0.5), (1, "gather", 40, 0.5), (2, "gather", 41, 0.5)]
+
+    def counted(seconds: float, count_out_s: float) -> StatusResponse:
+        s = stalled(status(4, failed=[3]), seconds, waiting)
+        assert s.stalled is not None
+        return s.model_copy(update={"stalled": s.stalled.model_copy(
+            update={"count_out_s": count_out_s})})
+
+    within = step(ElasticController(config(heal_stall_after_s=60)), 100, counted(130, 200))
+    assert [a.spec.rank_offset for a in within.actions] == [3]  # the failed one only
+    c = ElasticController(config(heal_stall_after_s=60))
+    past = step(c, 100, counted(130, 67))
+    relaunched = {a.spec.rank_offset: a for a in past.actions if isinstance(a, Relaunch)}
+    assert sorted(relaunched) == [2, 3], past
+    assert relaunched[2].stuck and "waits with rank(s) [0, 1]" in relaunched[2].reason
+    assert not relaunched[3].stuck
 
 
 @pytest.mark.parametrize("kw", [{"heal_stall_after_s": 0}, {"heal": False}])

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from sglang_elastic_ep.core.api_models import RankPosition
-from sglang_elastic_ep.core.stall import StallDetector, ranks_to_end, stuck_in_a_pass
+from sglang_elastic_ep.core.stall import (
+    StallDetector,
+    mooncake_count_out_s,
+    ranks_to_end,
+    stall_action,
+    stuck_in_a_pass,
+)
 
 
 def test_waiting_requests_without_answers_stall_after_the_threshold() -> None:
@@ -102,3 +108,39 @@ def test_no_rank_to_end_without_positions_or_a_stuck_scheduler() -> None:
     # A rank no longer active (failed, removed) is not ended again.
     gone = [_at(0, "gather", 90.0), _at(2, "forward", 95.0, 40.0)]
     assert list(ranks_to_end(gone, [0, 1], own_from=2)) == [0]
+
+
+def test_mooncake_counts_a_silent_member_out_after_its_heartbeat_window_and_timeout() -> None:
+    assert mooncake_count_out_s(None, None) == 30.0 + 30.0 + 10.0  # Mooncake's defaults
+    assert mooncake_count_out_s(2.0, 35.0) == 67.0
+
+
+def test_once_counted_out_the_live_ranks_waiting_on_each_other_are_the_ones_to_end() -> None:
+    """Rank 2 died; ranks 0 and 1 sit in one collective of one pass, each waiting for a flag
+    the other never writes (Mooncake counted their collective differently). Relaunching the
+    dead rank frees nothing; ending rank 1 does."""
+    stuck = [_at(0, "gather", 90.0), _at(1, "gather", 90.0), _at(2, "forward", 95.0, 90.0)]
+    assert list(ranks_to_end(stuck, [0, 1, 2], own_from=1)) == [2]  # the silent one, first
+    counted = ranks_to_end(stuck, [0, 1, 2], own_from=1, counted_out=True)
+    assert list(counted) == [1, 2]
+    assert "past the time Mooncake takes to count a silent member out" in counted[1]
+    assert "stopped reporting 90 s ago" in counted[2]
+    # An orchestrator that owns only rank 2 has no live rank of its own to end: the
+    # launch-time ones are named with the silent one.
+    assert list(ranks_to_end(stuck, [0, 1, 2], own_from=2, counted_out=True)) == [0, 1, 2]
+    # A rank a pass ahead waits for the two: ending it frees them.
+    ahead = [_at(0, "gather", 90.0, passes=7), _at(1, "gather", 90.0, passes=7),
+             _at(2, "gather", 90.0, passes=8), _at(3, "forward", 95.0, 90.0)]
+    chosen = ranks_to_end(ahead, [0, 1, 2, 3], own_from=2, counted_out=True)
+    assert list(chosen) == [2, 3] and "waits with rank(s) [0, 1]" in chosen[2]
+
+
+def test_the_stall_action_names_ranks_to_relaunch_and_a_restart_only_for_rank_0() -> None:
+    relaunch = stall_action({1: "stuck in step 'gather' for 90 s", 2: "stopped reporting"})
+    assert "end rank(s) [1, 2]" in relaunch and "--ep-join-mode recover" in relaunch
+    assert "restart" not in relaunch
+    # Rank 0 named with others: only the others are ended.
+    assert "end rank(s) [2]" in stall_action({0: "stuck", 2: "waits with rank(s) [0]"})
+    alone = stall_action({0: "stuck in step 'gather' for 90 s"})
+    assert "restart the deployment" in alone and "rank 0 holds the others up" in alone
+    assert "restart the deployment" in stall_action({})

@@ -108,6 +108,8 @@ class ClusterSpec:
     # seconds late (docs/operations.md, "Before launch").
     fault_window_s: float = 10.0
     extra_args: list[str] = field(default_factory=list)
+    # Added to every server's environment (a fault to inject, e.g. cpu.fault_injection's).
+    extra_env: dict[str, str] = field(default_factory=dict)
     log_dir: Path = DEFAULT_LOG_DIR
     ready_timeout_s: float = 300.0
 
@@ -380,7 +382,7 @@ class LocalCluster:
         self._taken: set[int] = set(range(self.dist_port, self.dist_port + DERIVED_PORTS + 1))
         # SGLang's global TCPStore (NIXL metadata, scale cohorts) listens on a fixed default
         # port; each cluster gets a free one, shared by its primary and joiners.
-        self.env = {"SGLANG_TCP_STORE_PORT": str(self._take_port())}
+        self.env = {**self.spec.extra_env, "SGLANG_TCP_STORE_PORT": str(self._take_port())}
         # Every process of this cluster inherits the tag: stop() finds stragglers by it.
         self.env[CLUSTER_TAG_ENV] = uuid.uuid4().hex
 

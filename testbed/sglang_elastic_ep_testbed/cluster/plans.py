@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+import psutil
 
 from sglang_elastic_ep.sglang.args import FAULT_WINDOW_PAST_HEARTBEAT_S
 from sglang_elastic_ep_testbed.cluster.launcher import (
@@ -69,12 +71,17 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     wait_status,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
+from sglang_elastic_ep_testbed.cpu.fault_injection import ENV_STALL_S
 from sglang_elastic_ep_testbed.tiny_model import DEFAULT_NUM_EXPERTS
 
 StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "remove", "stay"]
 # "server": a kill takes the rank's whole server (the machine died); "scheduler": only its
-# scheduler process (the OOM killer), and the server must then exit non-zero by itself.
-KillHow = Literal["server", "scheduler"]
+# scheduler process (the OOM killer), and the server must then exit non-zero by itself;
+# "hang_first": the lowest rank of the step hangs in its pass instead (SIGUSR1: its process
+# and Mooncake agent stay alive, ``cpu.fault_injection``), the others' servers are killed, and
+# the runner then does what the status's stall report says: it kills every server the report
+# lists in ``ranks_to_relaunch`` once that names all of the step's ranks.
+KillHow = Literal["server", "scheduler", "hang_first"]
 # The order a recover step relaunches failed ranks in. "lowest_first": launch-time ranks
 # together, then the joiners one at a time from the lowest, each awaited before the next (what
 # the survivors admit first). "highest_first": the reverse, as an orchestrator restarting
@@ -256,6 +263,8 @@ def plan_spec(tiny_model: Path, steps: Sequence[Step], max_ep_size: int = 4,
 
 
 FAULT_SEEN_S = 90
+# A hang beside a death: the stall timeout, then Mooncake's count-out of the dead rank.
+STALL_NAMED_S = 300
 CHANGE_S = 420  # a joiner or replacement starting beside the ranks on two busy cores
 SERVES_S = 180  # for every active shard to serve after a change
 
@@ -308,6 +317,9 @@ class PlanRunner:
 
     def _kill(self, step: Step) -> None:
         self.kills.append(time.monotonic())
+        if self.kill == "hang_first":
+            self._hang_then_follow_the_stall(step)
+            return
         for rank in step.ranks:
             server = self._own_server(rank)
             if self.kill == "server":
@@ -318,6 +330,37 @@ class PlanRunner:
                 raise AssertionError(f"rank {rank}'s server {server.name}, its scheduler "
                                      f"killed, {'still runs' if code is None else 'exited 0'}: "
                                      "an orchestrator would not relaunch it")
+
+    def _hang_then_follow_the_stall(self, step: Step) -> None:
+        """The lowest rank of ``step`` hangs, the others die; the stall report then has to
+        name the hung rank too (its end frees the survivors' collective), and the runner ends
+        what it names, as an orchestrator would."""
+        hung, *killed = step.ranks
+        server = self._own_server(hung)
+        schedulers = list(server.scheduler_pids().values())
+        for pid in schedulers:
+            if ENV_STALL_S not in psutil.Process(pid).environ():
+                raise PlanError(f"rank {hung}'s scheduler was started without {ENV_STALL_S}: "
+                                "it would hang only for the default 30 s (set it in "
+                                "cluster.env before its server starts)")
+        for pid in schedulers:
+            psutil.Process(pid).send_signal(signal.SIGUSR1)
+        for rank in killed:
+            self.cluster.kill_server(self._own_server(rank))
+
+        def names_every_rank(current: dict) -> dict | None:
+            stalled = current.get("stalled")
+            if stalled and set(step.ranks) <= set(stalled["ranks_to_relaunch"]):
+                return stalled
+            return None
+
+        stalled = wait_status(self.cluster.url, names_every_rank, STALL_NAMED_S,
+                              f"the stall report naming ranks {list(step.ranks)} to relaunch")
+        print(f"[plan] stall report: {stalled['message']}", flush=True)
+        for rank in stalled["ranks_to_relaunch"]:
+            dead = self._server_of(rank)
+            if dead is not None and dead.popen.poll() is None:
+                self.cluster.kill_server(dead)
 
     def _recover(self, step: Step) -> None:
         launch = len(self.steps[0].active)
