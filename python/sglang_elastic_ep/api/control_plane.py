@@ -459,8 +459,10 @@ class InProcessControlPlane:
         serving = [r.rank for r in self.status().ranks
                    if r.state in (RankState.ACTIVE, RankState.LEAVING)]
         counted_out = count_out_s is not None and now - since > count_out_s
-        # Rank 0 hosts the HTTP server: it is named only when nothing else frees it.
-        to_end = ranks_to_end(positions, serving, own_from=1, counted_out=counted_out)
+        # Rank 0's server hosts the HTTP server: its ranks are named only when nothing else
+        # frees them.
+        apart = self._topology.ranks_per_node
+        to_end = ranks_to_end(positions, serving, own_from=apart, counted_out=counted_out)
         if self._stalled is None:
             logger.warning("elastic EP: serving stalled: %s (phase %s): %s", what, phase.value,
                            where)
@@ -470,7 +472,7 @@ class InProcessControlPlane:
             ranks_to_relaunch=sorted(to_end),
             message=(f"{what} (phase {phase.value}): {where}. A scheduler is stuck, often in a "
                      "collective whose peer never came; the schedulers' stacks (py-spy dump) "
-                     f"show where. {stall_action(to_end)}"),
+                     f"show where. {stall_action(to_end, apart)}"),
         )
         self.refresh_metrics()
 

@@ -314,6 +314,9 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
     if stalled:
         summary.add_row("stalled", f"[bold red]{stalled['stalled_s']:.0f} s[/]: "
                                    f"{escape(stalled['message'])}")
+        if stalled.get("ranks_to_relaunch"):
+            summary.add_row("to relaunch", f"{stalled['ranks_to_relaunch']} "
+                                           "(end each, relaunch with --ep-join-mode recover)")
     console.print(summary)
 
     # While stalled, where each scheduler is: the rank in another step or a pass behind, or

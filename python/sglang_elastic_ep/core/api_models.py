@@ -353,8 +353,9 @@ class StallStatus(_Strict):
         default_factory=list,
         description="The ranks whose end frees the others' passes, and those Mooncake counted "
                     "out: end each one's process and relaunch it with --ep-join-mode recover "
-                    "and its original arguments (never rank 0, which hosts the HTTP server; "
-                    "only [0] means a restart). Empty when the positions are unknown.")
+                    "and its original arguments. A rank of rank 0's server (which hosts the "
+                    "HTTP server) is listed only when nothing else frees the others: then only "
+                    "a restart does. Empty when the positions are unknown.")
     message: str
 
 

@@ -154,18 +154,26 @@ def ranks_to_end(positions: list[RankPosition], active: Collection[int],
     return dict(sorted({**chosen, **gone}.items()))
 
 
-def stall_action(to_end: dict[int, str]) -> str:
-    """What an operator does about a stall, from ``ranks_to_end`` (``own_from=1``): the ranks to
-    end and relaunch in recover mode; a restart only when rank 0, which hosts the HTTP server,
-    is the one holding the others up."""
-    relaunch = {rank: why for rank, why in to_end.items() if rank != 0}
+def stall_action(to_end: dict[int, str], first_apart: int = 1) -> str:
+    """What an operator does about a stall, from ``ranks_to_end(own_from=first_apart)``.
+    ``first_apart``: the lowest rank outside rank 0's server (the launch-time ranks per node).
+    ``ranks_to_end`` names a rank of rank 0's server only when no other rank's end frees it;
+    such a rank comes back only with a restart, since rank 0 hosts the HTTP server."""
+
+    def listed(ranks: dict[int, str]) -> str:
+        return (f"rank(s) {sorted(ranks)} ("
+                + "; ".join(f"rank {rank} {why}" for rank, why in ranks.items()) + ")")
+
+    relaunch = {rank: why for rank, why in to_end.items() if rank >= first_apart}
+    primary = {rank: why for rank, why in to_end.items() if rank < first_apart}
+    if primary:
+        also = f"; {listed(relaunch)} need a relaunch as well" if relaunch else ""
+        return (f"Serving resumes by itself if the peer arrives; else restart the deployment: "
+                f"{listed(primary)} of rank 0's server, which hosts the HTTP server, hold the "
+                f"others up{also}")
     if relaunch:
-        reasons = "; ".join(f"rank {rank} {why}" for rank, why in relaunch.items())
-        return (f"Serving resumes by itself if the peer arrives; else end rank(s) "
-                f"{sorted(relaunch)} ({reasons}) and relaunch each with --ep-join-mode recover "
-                "and its original arguments: the others serve on meanwhile")
-    if to_end:
-        return ("Serving resumes by itself if the peer arrives; else restart the deployment: "
-                f"rank 0 holds the others up ({to_end[0]}) and it hosts the HTTP server")
-    return ("Serving resumes by itself if the peer arrives; else, with no position to say which "
-            "rank holds the others up, restart the deployment")
+        return (f"Serving resumes by itself if the peer arrives; else end {listed(relaunch)} and "
+                "relaunch each with --ep-join-mode recover and its original arguments (a "
+                "launch-time rank: its node's server): the others serve on meanwhile")
+    return ("Serving resumes by itself if the peer arrives; else restart the deployment: no "
+            "position says which rank holds the others up")

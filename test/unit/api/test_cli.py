@@ -224,6 +224,9 @@ def test_status_shows_a_stall_and_where_each_scheduler_is(
     assert run("status", "--url", server.url) == EXIT_OK
     out = capsys.readouterr().out
     assert "stalled" in out and "3 requests wait" in out and "ranks [0] in step 'gather'" in out
+    # Rank 1, a pass behind, holds rank 0 up: it is the one to relaunch.
+    assert any(line.replace("│", " ").split()[:4] == ["to", "relaunch", "[1]", "(end"]
+               for line in out.splitlines()), out
     cells = [line.replace("│", " ").split() for line in out.splitlines()]
     rows = {row[0]: row for row in cells if row and row[0] in ("0", "1")}
     assert rows["0"][1:] == ["active", "gather", "75", "s", "41", "0", "s"], out

@@ -135,12 +135,16 @@ def test_once_counted_out_the_live_ranks_waiting_on_each_other_are_the_ones_to_e
     assert list(chosen) == [2, 3] and "waits with rank(s) [0, 1]" in chosen[2]
 
 
-def test_the_stall_action_names_ranks_to_relaunch_and_a_restart_only_for_rank_0() -> None:
+def test_the_stall_action_names_ranks_to_relaunch_and_a_restart_only_for_rank_0s_server(
+) -> None:
     relaunch = stall_action({1: "stuck in step 'gather' for 90 s", 2: "stopped reporting"})
     assert "end rank(s) [1, 2]" in relaunch and "--ep-join-mode recover" in relaunch
     assert "restart" not in relaunch
-    # Rank 0 named with others: only the others are ended.
-    assert "end rank(s) [2]" in stall_action({0: "stuck", 2: "waits with rank(s) [0]"})
     alone = stall_action({0: "stuck in step 'gather' for 90 s"})
-    assert "restart the deployment" in alone and "rank 0 holds the others up" in alone
+    assert "restart the deployment: rank(s) [0]" in alone
+    # Ranks 0 and 1 share rank 0's server: only a restart brings them back, and the dead
+    # joiner is named beside them.
+    shared = stall_action({0: "stuck", 1: "stuck", 2: "stopped reporting"}, first_apart=2)
+    assert "restart the deployment: rank(s) [0, 1]" in shared
+    assert "rank(s) [2] (rank 2 stopped reporting) need a relaunch as well" in shared
     assert "restart the deployment" in stall_action({})

@@ -194,6 +194,9 @@ class ServerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{port}.log"
         env = {**os.environ, **server_env(extra_env or {}, first_rank, cpus)}
+        # What it was started with (its processes' own /proc environ is overwritten by the
+        # titles SGLang sets).
+        self.env = env
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "sglang.launch_server", *args],

@@ -80,7 +80,8 @@ StepKind = Literal["launch", "kill", "recover", "grow", "shrink", "remove", "sta
 # "hang_first": the lowest rank of the step hangs in its pass instead (SIGUSR1: its process
 # and Mooncake agent stay alive, ``cpu.fault_injection``), the others' servers are killed, and
 # the runner then does what the status's stall report says: it kills every server the report
-# lists in ``ranks_to_relaunch`` once that names all of the step's ranks.
+# lists in ``ranks_to_relaunch`` once that names the hung rank (each dead one named there too
+# or shown failed).
 KillHow = Literal["server", "scheduler", "hang_first"]
 # The order a recover step relaunches failed ranks in. "lowest_first": launch-time ranks
 # together, then the joiners one at a time from the lowest, each awaited before the next (what
@@ -337,25 +338,24 @@ class PlanRunner:
         what it names, as an orchestrator would."""
         hung, *killed = step.ranks
         server = self._own_server(hung)
-        schedulers = list(server.scheduler_pids().values())
-        for pid in schedulers:
-            if ENV_STALL_S not in psutil.Process(pid).environ():
-                raise PlanError(f"rank {hung}'s scheduler was started without {ENV_STALL_S}: "
-                                "it would hang only for the default 30 s (set it in "
-                                "cluster.env before its server starts)")
-        for pid in schedulers:
+        if ENV_STALL_S not in server.env:
+            raise PlanError(f"rank {hung}'s server was started without {ENV_STALL_S}: it would "
+                            "hang only for the default 30 s (give it in ClusterSpec.extra_env)")
+        for pid in server.scheduler_pids().values():
             psutil.Process(pid).send_signal(signal.SIGUSR1)
         for rank in killed:
             self.cluster.kill_server(self._own_server(rank))
 
         def names_every_rank(current: dict) -> dict | None:
+            """The report names the hung rank, and each dead one is named or shown failed."""
             stalled = current.get("stalled")
-            if stalled and set(step.ranks) <= set(stalled["ranks_to_relaunch"]):
-                return stalled
-            return None
+            if not stalled or hung not in stalled["ranks_to_relaunch"]:
+                return None
+            failed = {r["rank"] for r in current["ranks"] if r["state"] == "failed"}
+            return stalled if set(killed) <= failed | set(stalled["ranks_to_relaunch"]) else None
 
         stalled = wait_status(self.cluster.url, names_every_rank, STALL_NAMED_S,
-                              f"the stall report naming ranks {list(step.ranks)} to relaunch")
+                              f"the stall report naming rank {hung} to relaunch")
         print(f"[plan] stall report: {stalled['message']}", flush=True)
         for rank in stalled["ranks_to_relaunch"]:
             dead = self._server_of(rank)
