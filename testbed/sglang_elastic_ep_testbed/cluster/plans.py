@@ -356,11 +356,7 @@ class PlanRunner:
 
         stalled = wait_status(self.cluster.url, names_every_rank, STALL_NAMED_S,
                               f"the stall report naming rank {hung} to relaunch")
-        print(f"[plan] stall report: {stalled['message']}", flush=True)
-        for rank in stalled["ranks_to_relaunch"]:
-            dead = self._server_of(rank)
-            if dead is not None and dead.popen.poll() is None:
-                self.cluster.kill_server(dead)
+        end_what_the_stall_names(self.cluster, stalled, self._server_of)
 
     def _recover(self, step: Step) -> None:
         launch = len(self.steps[0].active)
@@ -509,6 +505,39 @@ class PlanRunner:
         logs = {r: server.log_path for r, server in servers.items() if server is not None}
         wait_each_shard_serves(self.load, list(step.active), SERVES_S, logs=logs)
         return current
+
+
+def failed_or_a_survivor_named(killed: int) -> Callable[[dict], dict | None]:
+    """A ``wait_status`` test after ``killed`` died: the status once that rank shows failed,
+    or once a stall report names another serving rank to relaunch (the survivors wait on each
+    other); else None."""
+
+    def seen(current: dict) -> dict | None:
+        if current["ranks"][killed]["state"] == "failed":
+            return current
+        stalled = current.get("stalled")
+        named = set(stalled["ranks_to_relaunch"]) if stalled else set()
+        return current if named - {killed} else None
+
+    return seen
+
+
+def end_what_the_stall_names(cluster: LocalCluster, stalled: dict,
+                             server_of: Callable[[int], ServerProcess | None]) -> list[int]:
+    """Kill the servers of the ranks a stall report lists in ``ranks_to_relaunch``, as an
+    orchestrator following it does (their relaunches are the caller's); the ranks whose server
+    was still alive."""
+    print(f"[stall] report: {stalled['message']}", flush=True)
+    ended = []
+    for rank in stalled["ranks_to_relaunch"]:
+        server = server_of(rank)
+        if server is None:
+            raise PlanError(f"the stall report names rank {rank}, which runs in the primary "
+                            f"server: only a restart ends it ({stalled['message']})")
+        if server.popen.poll() is None:
+            cluster.kill_server(server)
+            ended.append(rank)
+    return ended
 
 
 def assert_only_killed_requests_lost(results: Sequence[RequestResult], kills: Sequence[float],
