@@ -107,10 +107,12 @@ def grow_2_to_3_joiner_first(cluster: LocalCluster, operation_id: str) -> Server
     assert status["effective_ep_size"] == 3, status
     assert status["recent_operations"][0]["result"] == "succeeded", status
     assert status["phase"] == "serving_expanded", status
-    # One operation, followed across processes: each primary scheduler's lines carry its id.
-    primary_log = cluster.primary.log_path.read_text(errors="replace")
+    # One operation, followed across processes: each launch-time scheduler's lines carry its
+    # id (rank 1's are in its node's log when it has one).
     for rank in (0, 1):
-        assert f"EP{rank}] [op {operation_id}] [elastic-ep] scale request" in primary_log
+        server = cluster.followers.get(rank, cluster.primary)
+        log = server.log_path.read_text(errors="replace")
+        assert f"EP{rank}] [op {operation_id}] [elastic-ep] scale request" in log
     return joiner
 
 

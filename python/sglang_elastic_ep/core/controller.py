@@ -598,12 +598,14 @@ class ElasticController:
         active = {r.rank for r in status.ranks if r.state is RankState.ACTIVE}
         own = self.config.first_own_rank
         stuck = ranks_to_end(stall.ranks, active, own, counted_out)
-        if any(rank < own for rank in stuck):
-            # Launch-time ranks are only named: the one whose end frees the rest (rank 0,
-            # which hosts the HTTP server, only when nothing else does).
-            named = ranks_to_end(stall.ranks, active, 1, counted_out)
-            stuck = {**{r: why for r, why in stuck.items() if r >= own},
-                     **{r: why for r, why in named.items() if r < own}}
+        if any(rank < own for rank in stuck) and stall.ranks_to_relaunch:
+            # Launch-time ranks are only named: those the server's report names, which knows
+            # the ranks that share rank 0's server (only a restart brings those back).
+            named = {r: stuck.get(r, "named by the stall report (ranks_to_relaunch)")
+                     for r in stall.ranks_to_relaunch if r < own}
+            if 0 in named:  # a restart, which brings the others back too
+                named = {0: named[0]}
+            stuck = {**{r: why for r, why in stuck.items() if r >= own}, **named}
         return {rank: why for rank, why in sorted(stuck.items()) if rank not in troubled}
 
     def _failures(self, status: StatusResponse, span: range) -> int:

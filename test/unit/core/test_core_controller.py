@@ -501,12 +501,15 @@ def test_a_failed_launch_time_rank_is_reported_not_relaunched() -> None:
 
 
 def stalled(s: StatusResponse, seconds: float,
-            positions: Sequence[tuple[int, str, int, float]]) -> StatusResponse:
-    """``s`` stalled for ``seconds``, each scheduler at (rank, step, passes, report age)."""
+            positions: Sequence[tuple[int, str, int, float]],
+            relaunch: Sequence[int] = ()) -> StatusResponse:
+    """``s`` stalled for ``seconds``, each scheduler at (rank, step, passes, report age);
+    ``relaunch``: the report's ``ranks_to_relaunch``."""
     ranks = [RankPosition(rank=r, step=step, in_step_s=seconds, passes=passes,
                           report_age_s=age) for r, step, passes, age in positions]
     stall = StallStatus(since=1000.0 - seconds, stalled_s=seconds, waiting_requests=2,
-                        phase=s.phase, ranks=ranks, message="ranks in step 'gather'")
+                        phase=s.phase, ranks=ranks, ranks_to_relaunch=list(relaunch),
+                        message="ranks in step 'gather'")
     return s.model_copy(update={"stalled": stall})
 
 
@@ -549,19 +552,20 @@ def test_a_stopped_own_rank_is_relaunched_and_stuck_launch_time_ranks_only_repor
     stopped = [(0, "gather", 9, 0.5), (1, "gather", 9, 0.5), (2, "forward", 9, 45.0)]
     action = only(step(c, 100, stalled(status(3), 61, stopped)), Relaunch)
     assert action.spec.rank_offset == 2 and "stopped reporting 45 s ago" in action.reason
-    # Only launch-time ranks: nothing to end; the hold names the one whose end frees rank 0
-    # (a pass behind) and says what works.
+    # Only launch-time ranks: nothing to end; the hold repeats what the server's report names
+    # (rank 1 on a node of its own, whose end frees rank 0, a pass behind) and says what works.
     c = ElasticController(config(heal_stall_after_s=60))
-    stuck = step(c, 100, stalled(status(2), 61, [(0, "gather", 8, 0.5), (1, "gather", 9, 0.5)]))
+    behind_0 = [(0, "gather", 8, 0.5), (1, "gather", 9, 0.5)]
+    stuck = step(c, 100, stalled(status(2), 61, behind_0, relaunch=[1]))
     assert stuck.actions == ()
-    assert [h.reason.split(" waits")[0] for h in stuck.holds] == ["rank(s) 1"]
+    assert [h.reason.split(" named")[0] for h in stuck.holds] == ["rank(s) 1"]
     assert "relaunch their node with --ep-join-mode recover" in stuck.holds[0].reason
-    # Rank 0 alone holds the others up, and no peer's end frees it: a restart.
-    alone = step(ElasticController(config(heal_stall_after_s=60)), 100,
-                 stalled(status(2), 61, [(0, "gather", 8, 0.5)]))
-    assert alone.actions == ()
-    assert "rank(s) 0" in alone.holds[0].reason and "restart the deployment" in \
-        alone.holds[0].reason
+    # Both in rank 0's server (the report names both): a restart.
+    shared = step(ElasticController(config(heal_stall_after_s=60)), 100,
+                  stalled(status(2), 61, behind_0, relaunch=[0, 1]))
+    assert shared.actions == () and len(shared.holds) == 1
+    assert "rank(s) 0" in shared.holds[0].reason and "restart the deployment" in \
+        shared.holds[0].reason
     behind_1 = step(ElasticController(config(heal_stall_after_s=60)), 100,
                     stalled(status(2), 61, [(0, "gather", 9, 0.5), (1, "forward", 8, 0.5)]))
     assert behind_1.actions == ()
