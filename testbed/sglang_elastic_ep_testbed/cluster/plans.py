@@ -346,7 +346,7 @@ class PlanRunner:
         for rank in killed:
             self.cluster.kill_server(self._own_server(rank))
 
-        def names_every_rank(current: dict) -> dict | None:
+        def names_the_hung_rank(current: dict) -> dict | None:
             """The report names the hung rank, and each dead one is named or shown failed."""
             stalled = current.get("stalled")
             if not stalled or hung not in stalled["ranks_to_relaunch"]:
@@ -354,7 +354,7 @@ class PlanRunner:
             failed = {r["rank"] for r in current["ranks"] if r["state"] == "failed"}
             return stalled if set(killed) <= failed | set(stalled["ranks_to_relaunch"]) else None
 
-        stalled = wait_status(self.cluster.url, names_every_rank, STALL_NAMED_S,
+        stalled = wait_status(self.cluster.url, names_the_hung_rank, STALL_NAMED_S,
                               f"the stall report naming rank {hung} to relaunch")
         end_what_the_stall_names(self.cluster, stalled, self._server_of)
 
@@ -528,7 +528,7 @@ def end_what_the_stall_names(cluster: LocalCluster, stalled: dict,
     orchestrator following it does (their relaunches are the caller's); the ranks whose server
     was still alive."""
     print(f"[stall] report: {stalled['message']}", flush=True)
-    ended = []
+    ended: list[int] = []
     for rank in stalled["ranks_to_relaunch"]:
         server = server_of(rank)
         if server is None:
