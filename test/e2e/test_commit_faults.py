@@ -42,10 +42,8 @@ from sglang_elastic_ep_testbed.cluster.plans import (
     CHANGE_S,
     FAULT_SEEN_S,
     SERVES_S,
-    STALL_NAMED_S,
     assert_only_killed_requests_lost,
-    end_what_the_stall_names,
-    failed_or_a_survivor_named,
+    wait_failed_or_follow_the_stall,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
@@ -93,20 +91,13 @@ def test_a_joiner_killed_or_hung_on_the_pass_that_admits_it(tiny_model: Path, fa
             if fault == "stopped":  # what the orchestrator does before it relaunches the slot
                 cluster.kill_server(joiner)
             if done["result"] == "succeeded":
-                seen = wait_status(url, failed_or_a_survivor_named(2), STALL_NAMED_S,
-                                   "rank 2 failed, or a stall report naming a survivor")
-                if seen["ranks"][2]["state"] != "failed":
-                    # The serving ranks counted the commit barrier's collective differently
-                    # inside Mooncake and one waits in it for good (docs/cpu-testbed.md, "A
-                    # joiner or replacement killed on its admission pass"): do what the report
-                    # says, then bring node 1 back.
-                    kills.append(time.monotonic())
-                    servers = {1: cluster.followers[1], 2: joiner}
-                    end_what_the_stall_names(cluster, seen["stalled"], servers.get)
-                    wait_rank_state(url, 1, "failed", FAULT_SEEN_S)
-                    cluster.start_node(1, recover=True)
-                    wait_rank_state(url, 1, "active", CHANGE_S)
-                wait_rank_state(url, 2, "failed", FAULT_SEEN_S)
+                # The serving ranks may count the commit barrier's collective differently
+                # inside Mooncake, one waiting in it for good (docs/cpu-testbed.md, "A joiner or
+                # replacement killed on its admission pass"): then node 1 is ended as the stall
+                # report says, and relaunched.
+                ended_at = wait_failed_or_follow_the_stall(cluster, 2, joiner)
+                if ended_at is not None:
+                    kills.append(ended_at)
                 wait_each_shard_serves(load, [0, 1], SERVES_S)
                 joiner = cluster.start_joiner("recover", rank_offset=2)
                 wait_rank_state(url, 2, "active", CHANGE_S)

@@ -62,14 +62,11 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     wait_operation,
     wait_rank_state,
     wait_rebalanced,
-    wait_status,
 )
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.plans import (
     FAULT_SEEN_S,
-    STALL_NAMED_S,
-    end_what_the_stall_names,
-    failed_or_a_survivor_named,
+    wait_failed_or_follow_the_stall,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 
@@ -306,16 +303,8 @@ def test_the_recovered_joiner_killed_again_is_removed(tiny_model: Path) -> None:
         try:
             replacement, _, _ = grow_kill_and_recover(cluster, load)
             cluster.kill_server(replacement)
-            seen = wait_status(url, failed_or_a_survivor_named(2), STALL_NAMED_S,
-                               "rank 2 failed, or a stall report naming a survivor")
-            if seen["ranks"][2]["state"] != "failed":
+            if wait_failed_or_follow_the_stall(cluster, 2, replacement) is not None:
                 kills += 1
-                servers = {1: cluster.followers[1], 2: replacement}
-                end_what_the_stall_names(cluster, seen["stalled"], servers.get)
-                wait_rank_state(url, 1, "failed", FAULT_SEEN_S)
-                cluster.start_node(1, recover=True)
-                wait_rank_state(url, 1, "active", SCALE_TIMEOUT_S)
-                wait_rank_state(url, 2, "failed", FAULT_SEEN_S)
             grow = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
             assert grow.status_code == 409, grow.text  # not while a rank is failed
             removal = remove_failed_tail(url, new_ep_size=2, timeout_s=FAULT_SEEN_S)

@@ -68,6 +68,7 @@ from sglang_elastic_ep_testbed.cluster.observe import (
     post_scale,
     wait_each_shard_serves,
     wait_operation,
+    wait_rank_state,
     wait_status,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
@@ -507,19 +508,34 @@ class PlanRunner:
         return current
 
 
-def failed_or_a_survivor_named(killed: int) -> Callable[[dict], dict | None]:
-    """A ``wait_status`` test after ``killed`` died: the status once that rank shows failed,
-    or once a stall report names another serving rank to relaunch (the survivors wait on each
-    other); else None."""
+def wait_failed_or_follow_the_stall(cluster: LocalCluster, rank: int,
+                                    server: ServerProcess) -> float | None:
+    """After ``rank`` (its ``server``) died on a two-node cluster: wait until it shows failed;
+    or, when a stall report names a survivor first (the survivors wait on each other inside
+    Mooncake), do what the report says, relaunch node 1 in recover mode and wait for it to
+    serve again, and then for ``rank`` to show failed. When the report was followed, the
+    monotonic time it was (node 1 ended: one more kill); else None."""
+    url = cluster.url
 
-    def seen(current: dict) -> dict | None:
-        if current["ranks"][killed]["state"] == "failed":
+    def failed_or_a_survivor_named(current: dict) -> dict | None:
+        if current["ranks"][rank]["state"] == "failed":
             return current
         stalled = current.get("stalled")
         named = set(stalled["ranks_to_relaunch"]) if stalled else set()
-        return current if named - {killed} else None
+        return current if named - {rank} else None
 
-    return seen
+    seen = wait_status(url, failed_or_a_survivor_named, STALL_NAMED_S,
+                       f"rank {rank} failed, or a stall report naming a survivor")
+    if seen["ranks"][rank]["state"] == "failed":
+        return None
+    servers = {1: cluster.followers[1], rank: server}
+    ended_at = time.monotonic()
+    end_what_the_stall_names(cluster, seen["stalled"], servers.get)
+    wait_rank_state(url, 1, "failed", FAULT_SEEN_S)
+    cluster.start_node(1, recover=True)
+    wait_rank_state(url, 1, "active", CHANGE_S)
+    wait_rank_state(url, rank, "failed", FAULT_SEEN_S)
+    return ended_at
 
 
 def end_what_the_stall_names(cluster: LocalCluster, stalled: dict,
