@@ -49,7 +49,12 @@ from sglang_elastic_ep.core.health import HealthConfig, RankHealthMonitor, Recov
 from sglang_elastic_ep.core.membership import Membership
 from sglang_elastic_ep.core.operations import Admission, Operation, OperationRegistry
 from sglang_elastic_ep.core.phases import Phase
-from sglang_elastic_ep.core.stall import describe_positions, ranks_to_end, stall_action
+from sglang_elastic_ep.core.stall import (
+    describe_positions,
+    outlasted_count_out,
+    ranks_to_end,
+    stall_action,
+)
 from sglang_elastic_ep.core.validation import (
     ScaleTopology,
     ScaleVerdict,
@@ -458,7 +463,7 @@ class InProcessControlPlane:
                     f"{now - since:.0f} s")
         serving = [r.rank for r in self.status().ranks
                    if r.state in (RankState.ACTIVE, RankState.LEAVING)]
-        counted_out = count_out_s is not None and now - since > count_out_s
+        counted_out = outlasted_count_out(now - since, count_out_s)
         # Rank 0's server hosts the HTTP server: its ranks are named only when nothing else
         # frees them.
         apart = self._topology.ranks_per_node

@@ -57,7 +57,7 @@ from sglang_elastic_ep.core.api_models import (
 )
 from sglang_elastic_ep.core.autoscaler import Autoscaler, AutoscalerConfig, LoadSample
 from sglang_elastic_ep.core.phases import Phase
-from sglang_elastic_ep.core.stall import ranks_to_end
+from sglang_elastic_ep.core.stall import outlasted_count_out, ranks_to_end
 
 
 class JoinMode(str, enum.Enum):
@@ -589,7 +589,7 @@ class ElasticController:
         after = self.config.heal_stall_after_s
         if not self.config.heal or stall is None or not 0 < after <= stall.stalled_s:
             return {}
-        counted_out = stall.count_out_s is not None and stall.stalled_s > stall.count_out_s
+        counted_out = outlasted_count_out(stall.stalled_s, stall.count_out_s)
         # With a rank failed, the survivors' stall is that failure's handling (they wait for
         # Mooncake to count it out): its replacement is the way on, not another end; unless
         # the stall outlasted that count, when the live ranks wait on each other.

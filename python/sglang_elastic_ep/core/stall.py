@@ -110,6 +110,11 @@ def mooncake_count_out_s(collective_timeout_s: float | None, fault_window_s: flo
     return MOONCAKE_HEARTBEAT_TIMEOUT_S + window + timeout
 
 
+def outlasted_count_out(stalled_s: float, count_out_s: float | None) -> bool:
+    """Whether a stall of ``stalled_s`` is past ``mooncake_count_out_s`` (unknown: never)."""
+    return count_out_s is not None and stalled_s > count_out_s
+
+
 def ranks_to_end(positions: list[RankPosition], active: Collection[int],
                  own_from: int, counted_out: bool = False) -> dict[int, str]:
     """The schedulers of a stalled deployment whose end lets the others' passes go on, each

@@ -539,12 +539,10 @@ def wait_failed_or_follow_the_stall(cluster: LocalCluster, rank: int,
 
 
 def end_what_the_stall_names(cluster: LocalCluster, stalled: dict,
-                             server_of: Callable[[int], ServerProcess | None]) -> list[int]:
-    """Kill the servers of the ranks a stall report lists in ``ranks_to_relaunch``, as an
-    orchestrator following it does (their relaunches are the caller's); the ranks whose server
-    was still alive."""
+                             server_of: Callable[[int], ServerProcess | None]) -> None:
+    """Kill the servers of the ranks a stall report lists in ``ranks_to_relaunch`` that still
+    run, as an orchestrator following it does (their relaunches are the caller's)."""
     print(f"[stall] report: {stalled['message']}", flush=True)
-    ended: list[int] = []
     for rank in stalled["ranks_to_relaunch"]:
         server = server_of(rank)
         if server is None:
@@ -552,8 +550,6 @@ def end_what_the_stall_names(cluster: LocalCluster, stalled: dict,
                             f"server: only a restart ends it ({stalled['message']})")
         if server.popen.poll() is None:
             cluster.kill_server(server)
-            ended.append(rank)
-    return ended
 
 
 def assert_only_killed_requests_lost(results: Sequence[RequestResult], kills: Sequence[float],
