@@ -16,14 +16,14 @@ operation commits. The steps are the phase plan
 
 The same cluster then goes on with a second plan from its step ``[0, 1, 2]``: node 1 and the scale
 joiner are killed together (``kill_a_node_and_its_joiner_together``) and both come back (one
-cluster for both saves a start-up and a scale-up of the suite's time). A second test removes a
-live launch-time node of three where it is and refills its hole with a relaunch, then shrinks the
-deployment below its launch size, kills and recovers a launch-time node at the smaller size, and
-refills the released launch slot with a joiner
-(``remove_a_live_node_then_shrink_recover_and_refill``). Outside the default suite: two
-launch-time nodes killed at once after a scale-up, both brought back
-(``kill_two_launch_nodes_at_once``, ``long``), and a launch-time node killed before any scale
-with two survivors (``kill_a_launch_node_with_two_survivors``, ``known_race``).
+cluster for both saves a start-up and a scale-up of the suite's time). A second test, on three
+nodes, first kills a launch-time node before any scale, which both survivors take back
+(``kill_a_launch_node_with_two_survivors``); on the same cluster it then removes a live
+launch-time node where it is and refills its hole with a relaunch, shrinks the deployment below
+its launch size, kills and recovers a launch-time node at the smaller size, and refills the
+released launch slot with a joiner (``remove_a_live_node_then_shrink_recover_and_refill``).
+Outside the default suite (``long``): two launch-time nodes killed at once after a scale-up,
+both brought back (``kill_two_launch_nodes_at_once``).
 """
 
 from __future__ import annotations
@@ -243,25 +243,39 @@ def test_a_replacement_killed_as_it_is_taken_back_is_failed_and_relaunched(
         assert killed_in_recovery, "the first replacement was never killed"
 
 
+BEFORE_ANY_SCALE = (Path(__file__).parents[1] / "plans"
+                    / "kill_a_launch_node_with_two_survivors.json")
 AFTER_A_LIVE_REMOVAL = (Path(__file__).parents[1] / "plans"
                         / "remove_a_live_node_then_shrink_recover_and_refill.json")
 
 
-@pytest.mark.timeout(1500)
-def test_a_live_node_removed_where_it_is_then_a_launch_node_recovers_after_a_shrink(
+@pytest.mark.timeout(1800)
+def test_a_launch_node_killed_before_any_scale_then_a_live_node_removed_and_refilled(
         tiny_model: Path) -> None:
-    """The plan [[0, 1, 2], [0, 2], [0, 1, 2], [0, 1], [0, -1], [0, 1], [0, 1, 2]] on three
-    nodes, under load. ``remove_ranks: [1]`` with node 1 serving: its shard drains, every rank
-    lets it go on one agreed pass and its server exits 0; the cluster serves on [0, 2], rank 1
-    safe to terminate and not failed; a scale-up to 3 and node 1's relaunch in recover mode
-    refill the hole. Then the shrink releases launch-time rank 2 (its server exits 0) and
-    lowers the launch-group boundary to 2. At 2 ranks node 1's scheduler alone is killed, as
-    the OOM killer would: its server must exit non-zero by itself (the runner checks), so that
-    an orchestrator relaunches it; it rejoins in place at 2 (its replacement reads the boundary
-    from the store); then a scale joiner refills slot 2."""
+    """Two plans on one cluster of three nodes, under load.
+
+    First [[0, 1, 2], [0, -1, 2], [0, 1, 2]] (``kill_a_launch_node_with_two_survivors``): node 1
+    killed before any scale, ranks 0 and 2 serve on, and both take its relaunch back on one
+    agreed pass (upstream's own recovery has each survivor enter on the pass it sees the
+    replacement).
+
+    Then, from its last step, [[0, 1, 2], [0, 2], [0, 1, 2], [0, 1], [0, -1], [0, 1], [0, 1, 2]]
+    (``remove_a_live_node_then_shrink_recover_and_refill``). ``remove_ranks: [1]`` with node 1
+    serving: its shard drains, every rank lets it go on one agreed pass and its server exits 0;
+    the cluster serves on [0, 2], rank 1 safe to terminate and not failed; a scale-up to 3 and
+    node 1's relaunch in recover mode refill the hole. Then the shrink releases launch-time
+    rank 2 (its server exits 0) and lowers the launch-group boundary to 2. At 2 ranks node 1's
+    scheduler alone is killed, as the OOM killer would: its server must exit non-zero by itself
+    (the runner checks), so that an orchestrator relaunches it; it rejoins in place at 2 (its
+    replacement reads the boundary from the store); then a scale joiner refills slot 2."""
+    first = load_plan(BEFORE_ANY_SCALE)
     steps = load_plan(AFTER_A_LIVE_REMOVAL)
     spec = plan_spec(tiny_model, steps)
-    assert spec.nodes == 3
+    assert spec.nodes == 3 and plan_spec(tiny_model, first).nodes == 3
+
+    def recovered(step: Step, status: dict) -> None:
+        if step.kind == "recover":
+            assert status["phase"] == "serving_recovered", status
 
     def hole_then_refilled(step: Step, status: dict) -> None:
         if step.index == 1:  # removed where it was: a hole, not a failure
@@ -273,7 +287,14 @@ def test_a_live_node_removed_where_it_is_then_a_launch_node_recovers_after_a_shr
             assert status["effective_ep_size"] == 3, status
 
     with LocalCluster(spec) as cluster:
-        runner = run_plan(cluster, steps, after_step=hole_then_refilled, kill="scheduler")
+        before = run_plan(cluster, first, after_step=recovered)
+        for rank, server in ((0, cluster.primary), (2, cluster.followers[2])):
+            log = server.log_path.read_text(errors="replace")
+            assert f"rank {rank} takes back launch-time ranks [1] at 3 ranks" in log
+            assert "launch-time ranks [1] rejoined: serving on 3 ranks again" in log
+
+        runner = run_plan(cluster, steps, after=before, after_step=hole_then_refilled,
+                          kill="scheduler")
         node1_log = cluster.followers[1].log_path.read_text(errors="replace")
         assert "rank 1 rejoins at the size the survivors serve on: 2 ranks (launched at 3)" \
             in node1_log
@@ -344,38 +365,6 @@ def test_failed_ranks_relaunched_at_once_highest_first_all_come_back(tiny_model:
             log = runner.joiners[rank].log_path.read_text(errors="replace")
             assert f"scale joiner serves EP ranks [{rank}] at EP size {rank + 1}" in log, rank
         assert read_status(cluster.url)["effective_ep_size"] == 4
-
-
-BEFORE_ANY_SCALE = (Path(__file__).parents[1] / "plans"
-                    / "kill_a_launch_node_with_two_survivors.json")
-
-
-@pytest.mark.known_race(
-    "when only one survivor's collective fails on the dead rank, the survivors learn of the "
-    "death a fault window apart; the three ways that failed here are fixed and the plan "
-    "passed its runs since, but that timing has not come up again since the last fix "
-    "(docs/cpu-testbed.md, 'Mooncake deactivated a healthy survivor'); about 5 minutes")
-@pytest.mark.timeout(1500)
-def test_a_launch_node_killed_before_any_scale_is_taken_back_by_both_survivors(
-        tiny_model: Path) -> None:
-    """The plan [[0, 1, 2], [0, -1, 2], [0, 1, 2]] on three nodes, under load: node 1 killed
-    before any scale, ranks 0 and 2 serve on, and both take its relaunch back on one agreed
-    pass (upstream's own recovery has each survivor enter on the pass it sees the
-    replacement)."""
-    steps = load_plan(BEFORE_ANY_SCALE)
-    spec = plan_spec(tiny_model, steps)
-    assert spec.nodes == 3
-
-    def recovered(step: Step, status: dict) -> None:
-        if step.kind == "recover":
-            assert status["phase"] == "serving_recovered", status
-
-    with LocalCluster(spec) as cluster:
-        run_plan(cluster, steps, after_step=recovered)
-        for rank, server in ((0, cluster.primary), (2, cluster.followers[2])):
-            log = server.log_path.read_text(errors="replace")
-            assert f"rank {rank} takes back launch-time ranks [1] at 3 ranks" in log
-            assert "launch-time ranks [1] rejoined: serving on 3 ranks again" in log
 
 
 @pytest.mark.timeout(900)
