@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sglang_elastic_ep.sglang.args import FAULT_WINDOW_PAST_HEARTBEAT_S
 from sglang_elastic_ep_testbed.cluster import LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate, greedy_reference
@@ -270,8 +271,8 @@ def test_a_launch_node_killed_before_any_scale_then_a_live_node_removed_and_refi
     replacement reads the boundary from the store); then a scale joiner refills slot 2."""
     first = load_plan(BEFORE_ANY_SCALE)
     steps = load_plan(AFTER_A_LIVE_REMOVAL)
-    spec = plan_spec(tiny_model, steps)
-    assert spec.nodes == 3 and plan_spec(tiny_model, first).nodes == 3
+    spec = plan_spec(tiny_model, [*first, *steps])  # the fault window the first one needs
+    assert spec.nodes == 3 and spec.fault_window_s == FAULT_WINDOW_PAST_HEARTBEAT_S
 
     def recovered(step: Step, status: dict) -> None:
         if step.kind == "recover":

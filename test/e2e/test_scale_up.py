@@ -21,10 +21,11 @@ keeps greedy outputs exact through the fault below.
 4. 3 -> 2: the experts only rank 2 holds move first; EPLB rebalances at 2 again.
 
 Throughout: no request fails except those the killed rank held (503 with a message), and the
-fixed prompts decode to the same tokens before, during and after. Killing the replacement in
-turn and removing it is a second test, outside the suite (``long``), on two nodes: the
-survivors have been seen waiting on each other inside Mooncake after that kill, and the stall
-report then names node 1 to relaunch.
+fixed prompts decode to the same tokens before, during and after. Steps 2-4 are the phase plan
+``test/plans/grow_kill_the_joiner_recover_shrink.json``, run by the plan runner. Killing the
+replacement in turn and removing it is a second test, outside the suite (``long``), on two
+nodes: the survivors have been seen waiting on each other inside Mooncake after that kill, and
+the stall report then names node 1 to relaunch.
 
 2 -> 3 -> 4 (joiners launched before the POST) and 2 -> 4 (the joiner launched after the POST)
 are in test_scale_down.py's chain.
@@ -46,9 +47,7 @@ from sglang_elastic_ep.sglang.gather_agreement import ENV_TEST_SKEW
 from sglang_elastic_ep_testbed.cluster import ClusterSpec, LoadClient, LocalCluster
 from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import (
-    DEFAULT_PROMPTS,
     RequestResult,
-    generate,
     greedy_reference,
     most_lost_to_a_kill,
 )
@@ -66,6 +65,10 @@ from sglang_elastic_ep_testbed.cluster.observe import (
 from sglang_elastic_ep_testbed.cluster.observe import status as read_status
 from sglang_elastic_ep_testbed.cluster.plans import (
     FAULT_SEEN_S,
+    PlanRunner,
+    Step,
+    load_plan,
+    run_plan,
     wait_failed_or_follow_the_stall,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
@@ -194,16 +197,6 @@ def grow_kill_and_recover(
     return replacement, killed_at, served_by_joiner
 
 
-def assert_only_the_killed_ranks_requests_lost(results: list[RequestResult], killed_at: float,
-                                               reference: dict[str, list[int]]) -> None:
-    lost = [r for r in results if not r.ok]
-    for r in lost:  # only what rank 2 held when it died, and said so
-        assert r.lost_to_a_fault, r
-        assert r.started < killed_at + FAULT_SEEN_S
-    assert len(lost) <= most_lost_to_a_kill(LOAD_CLIENTS), f"more lost than a kill may cost: {lost}"
-    assert_nothing_lost([r for r in results if r.ok], reference)
-
-
 HALVES = [*range(8), *range(8), *range(8, 16), *range(8, 16)]  # 2 ranks x 16 slots
 EPLB_PASSES = 30  # forward passes between rebalances (seconds under this load)
 REBALANCED_S = 240  # for a rebalance at a new size (three busy ranks on two cores)
@@ -224,9 +217,14 @@ def skewed_cluster(tiny_model: Path, hook: WebhookReceiver, nodes: int = 1) -> L
     return cluster
 
 
+PLAN = Path(__file__).parents[1] / "plans" / "grow_kill_the_joiner_recover_shrink.json"
+
+
 @pytest.mark.timeout(1500)
 def test_grow_recover_the_joiner_and_shrink_with_eplb_and_a_late_rank(tiny_model: Path) -> None:
-    """Rank 1 sees each membership change 3 passes late (injected skew).
+    """The plan [[0, 1], [0, 1, 2], [0, 1, -2], [0, 1, 2], [0, 1]] (the runner checks the set,
+    the serving shards, the lost requests and the outputs at each step), rank 1 seeing each
+    membership change 3 passes late (injected skew).
 
     2 -> 3 under load: rank 0 keeps serving until rank 1 catches up, then both admit the joiner
     on the same pass. Then the joiner (rank 2, which joined by scale-up: upstream answers
@@ -234,34 +232,61 @@ def test_grow_recover_the_joiner_and_shrink_with_eplb_and_a_late_rank(tiny_model
     ``--ep-join-mode recover``: the survivors let go of its slot and re-admit the replacement,
     again held back by the late rank; back at 3 ranks, shard 2 serves again. Then 3 -> 2.
     EPLB rebalances at each size on the way (module docstring)."""
+    steps = load_plan(PLAN)
+    seen: list[int] = []  # EPLB rebalances listed before the step that changes the size
+
+    def conflicts_while_growing(runner: PlanRunner, step: Step, operation_id: str,
+                                answer: dict) -> None:
+        if step.kind != "grow":
+            return
+        url = runner.cluster.url
+        assert answer["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
+        assert (answer["old_ep_size"], answer["new_ep_size"]) == (2, 3), answer
+        conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
+        assert conflict.status_code == 409, conflict.text
+        cli = subprocess.run(  # the orchestrator CLI against the real server: exit code 3
+            [sys.executable, "-m", "sglang_elastic_ep.cli.main", "scale", "--url", url,
+             "--to", "4", "--http-timeout", "60"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert cli.returncode == 3 and "conflict" in cli.stdout, (cli.returncode, cli.stdout)
+
+    def rebalanced_at_each_size(step: Step, current: dict) -> None:
+        url = cluster.url
+        if step.kind == "kill":
+            assert current["phase"] == "serving_degraded", current
+            assert current["effective_ep_size"] == 3, current
+        else:
+            phase = {"grow": "serving_expanded", "recover": "serving_recovered",
+                     "shrink": "serving_contracted"}[step.kind]
+            assert current["phase"] == phase, current
+            size = len(step.active)
+            assert_every_expert_on_two_ranks(wait_rebalanced(url, size, seen[-1],
+                                                             REBALANCED_S), size)
+        if step.kind == "grow":
+            # One operation, followed across processes: each launch-time scheduler's lines
+            # carry its id.
+            operation_id = f"plan-{step.index}-grow-2"
+            log = cluster.primary.log_path.read_text(errors="replace")
+            for rank in (0, 1):
+                assert f"EP{rank}] [op {operation_id}] [elastic-ep] scale request" in log
+            assert "ranks [2] joined by scale-up (new slots)" in log
+        seen.append(rebalances(url))
+
     with WebhookReceiver() as hook, skewed_cluster(tiny_model, hook) as cluster:
         url = cluster.url
-        reference = greedy_reference(url)
-        load = LoadClient(url, concurrency=LOAD_CLIENTS, max_new_tokens=8).start()
-        try:
+        with LoadClient(url, concurrency=LOAD_CLIENTS, max_new_tokens=8) as load:
             at_launch = wait_rebalanced(url, 2, 0, REBALANCED_S)
-            assert [r["expert_slots"] for r in at_launch["ranks"][:2]] != [HALVES[:16],
-                                                                         HALVES[16:]]
-            assert_every_expert_on_two_ranks(at_launch, 2)
-            replacement, killed_at, served_by_joiner = grow_kill_and_recover(cluster, load)
-            with httpx.Client() as client:
-                for i in range(6):  # round-robin over 3 shards: 2 each
-                    assert generate(client, url, DEFAULT_PROMPTS[i % 8], 2).ok
-            assert batches_run_by(replacement.log_path, 2) > 0, "shard 2 must serve again"
-            seen = rebalances(url)
-            shrink = httpx.post(url + "/scale_elastic_ep",
-                                json={"new_ep_size": 2, "operation_id": "shrink-to-2"},
-                                timeout=60)
-            assert shrink.status_code == 200, shrink.text
-            assert wait_operation(url, "shrink-to-2", SCALE_TIMEOUT_S)["result"] == "succeeded"
-            assert replacement.wait_exit(SCALE_TIMEOUT_S) == 0, replacement.log_tail()
-            assert_every_expert_on_two_ranks(wait_rebalanced(url, 2, seen, REBALANCED_S), 2)
-        finally:
-            results = load.stop()
+        assert all(r.ok for r in load.snapshot()), load.snapshot()
+        assert [r["expert_slots"] for r in at_launch["ranks"][:2]] != [HALVES[:16],
+                                                                     HALVES[16:]]
+        assert_every_expert_on_two_ranks(at_launch, 2)
+        seen.append(rebalances(url))
+        runner = run_plan(cluster, steps, concurrency=LOAD_CLIENTS,
+                          after_step=rebalanced_at_each_size,
+                          on_scale_posted=conflicts_while_growing)
 
-        assert_only_the_killed_ranks_requests_lost(results, killed_at, reference)
-        assert greedy_reference(url) == reference
-        assert served_by_joiner > 0, "the DP router must use new shard 2"
+        assert greedy_reference(url) == runner.reference
         sizes = read_status(url)["eplb_rebalances"]
         assert sizes[0] == 2 and sizes.count(3) >= 2 and sizes[-1] == 2, sizes
         primary_log = cluster.primary.log_path.read_text(errors="replace")
@@ -274,16 +299,17 @@ def test_grow_recover_the_joiner_and_shrink_with_eplb_and_a_late_rank(tiny_model
         assert metric(
             url, 'sglang:elastic_ep_operations_total{kind="scale_up",result="succeeded"}'
         ) == 1.0
+        grow, shrink = "plan-1-grow-2", "plan-4-shrink"
         events = sse_events(url)
-        assert operation_events(events)["grow-to-3"] == SCALE_EVENTS
-        assert operation_events(events)["shrink-to-2"] == [
+        assert operation_events(events)[grow] == SCALE_EVENTS
+        assert operation_events(events)[shrink] == [
             "scale_requested", "scale_committed", "safe_to_terminate"]
         assert rank_events(events, 2) == RECOVERY_EVENTS, events
         delivered = hook.wait_for(
-            lambda got: operation_events(got).get("grow-to-3") == SCALE_EVENTS
+            lambda got: operation_events(got).get(grow) == SCALE_EVENTS
             and rank_events(got, 2) == RECOVERY_EVENTS
         )
-        assert operation_events(delivered)["grow-to-3"] == SCALE_EVENTS, delivered
+        assert operation_events(delivered)[grow] == SCALE_EVENTS, delivered
         assert rank_events(delivered, 2) == RECOVERY_EVENTS, delivered
 
 

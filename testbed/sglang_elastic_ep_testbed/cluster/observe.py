@@ -61,10 +61,13 @@ def wait_operation(url: str, operation_id: str, timeout_s: float) -> dict:
     return wait_status(url, finished, timeout_s, f"operation {operation_id} finished", 0.5)
 
 
-def post_scale(url: str, size: int, operation_id: str) -> None:
-    """``POST /scale_elastic_ep`` to ``size`` under ``operation_id``; raises on a refusal."""
-    httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": size, "operation_id": operation_id},
-               timeout=60).raise_for_status()
+def post_scale(url: str, size: int, operation_id: str) -> dict:
+    """``POST /scale_elastic_ep`` to ``size`` under ``operation_id``; its answer. Raises on a
+    refusal."""
+    resp = httpx.post(url + "/scale_elastic_ep",
+                      json={"new_ep_size": size, "operation_id": operation_id}, timeout=60)
+    resp.raise_for_status()
+    return resp.json()
 
 
 def wait_experts_reported(url: str, ranks: int, timeout_s: float = 60) -> list[list[int]]:

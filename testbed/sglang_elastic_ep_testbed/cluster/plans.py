@@ -278,7 +278,10 @@ class PlanRunner:
     ``after_step(step, status)`` runs once each step is checked (scenario-specific checks).
     ``on_relaunch(runner, rank, server)`` runs right after a launch-time rank's replacement
     started (a fault to inject into its recovery: it may kill it and start another, noting the
-    kill in ``kills``); the runner then waits for the rank to serve as usual."""
+    kill in ``kills``); the runner then waits for the rank to serve as usual.
+    ``on_scale_posted(runner, step, operation_id, answer)`` runs right after a grow or shrink
+    step's POST was accepted, while its operation runs (checks of the answer, and of what the
+    server refuses meanwhile)."""
 
     cluster: LocalCluster
     steps: Sequence[Step]
@@ -288,6 +291,7 @@ class PlanRunner:
     joiners: dict[int, ServerProcess] = field(default_factory=dict)  # rank -> its server
     kills: list[float] = field(default_factory=list)  # monotonic times of the kill steps
     on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None
+    on_scale_posted: Callable[[PlanRunner, Step, str, dict], None] | None = None
     kill: KillHow = "server"
     relaunch_order: RelaunchOrder = "lowest_first"
 
@@ -443,10 +447,10 @@ class PlanRunner:
     def _grow(self, step: Step) -> None:
         for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
             self.joiners[rank] = self.cluster.start_joiner("scale", rank_offset=rank)
-            self._scale(rank + 1, f"plan-{step.index}-grow-{rank}")
+            self._scale(step, rank + 1, f"plan-{step.index}-grow-{rank}")
 
     def _shrink(self, step: Step) -> None:
-        self._scale(len(step.active), f"plan-{step.index}-shrink")
+        self._scale(step, len(step.active), f"plan-{step.index}-shrink")
         dead = self.steps[step.index - 1].failed  # shrunk past: killed, they exit no more
         for rank in step.ranks:
             server = self._server_of(rank)
@@ -478,8 +482,10 @@ class PlanRunner:
     def _stay(self, step: Step) -> None:
         pass
 
-    def _scale(self, size: int, operation_id: str) -> None:
-        post_scale(self.cluster.url, size, operation_id)
+    def _scale(self, step: Step, size: int, operation_id: str) -> None:
+        answer = post_scale(self.cluster.url, size, operation_id)
+        if self.on_scale_posted is not None:
+            self.on_scale_posted(self, step, operation_id, answer)
         self._wait_succeeded(operation_id, f"scale to {size} ({operation_id})")
 
     def _wait_succeeded(self, operation_id: str, what: str) -> None:
@@ -573,6 +579,7 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
              after_step: Callable[[Step, dict], None] | None = None,
              after: PlanRunner | None = None, from_step: int = 0,
              on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None,
+             on_scale_posted: Callable[[PlanRunner, Step, str, dict], None] | None = None,
              kill: KillHow = "server",
              relaunch_order: RelaunchOrder = "lowest_first") -> PlanRunner:
     """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
@@ -588,7 +595,8 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
     reference = after.reference if after is not None else greedy_reference(cluster.url)
     load = LoadClient(cluster.url, concurrency=concurrency, max_new_tokens=8).start()
     runner = PlanRunner(cluster, steps, load, after_step, reference, on_relaunch=on_relaunch,
-                        kill=kill, relaunch_order=relaunch_order)
+                        on_scale_posted=on_scale_posted, kill=kill,
+                        relaunch_order=relaunch_order)
     if after is not None:
         runner.joiners = after.joiners
     try:
