@@ -55,9 +55,31 @@ def test_a_shrink_past_a_dead_joiner_waits_for_the_live_ones_to_exit_only() -> N
                         load=None)  # type: ignore[arg-type]
     runner.joiners = dict(joiner)
     scaled: list[tuple[int, str]] = []
-    runner._scale = lambda size, operation_id: scaled.append((size, operation_id))  # type: ignore[method-assign]
+    runner._scale = lambda step, size, operation_id: scaled.append((size, operation_id))  # type: ignore[method-assign]
     runner._shrink(steps[4])
     assert scaled == [(2, "plan-4-shrink")] and waited == ["joiner3"] and runner.joiners == {}
+
+
+def test_a_grow_step_calls_back_with_the_answer_before_it_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``on_scale_posted`` sees each grow's answer while its operation runs, then the wait."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep_testbed.cluster import plans
+
+    steps = steps_of([[0, 1], [0, 1, 2, 3]])
+    calls: list[tuple] = []
+    monkeypatch.setattr(plans, "post_scale", lambda url, size, op: {"new_ep_size": size})
+    cluster = SimpleNamespace(url="http://127.0.0.1:1", followers={},
+                              start_joiner=lambda mode, rank_offset: f"joiner{rank_offset}")
+    runner = plans.PlanRunner(
+        cluster=cluster, steps=steps, load=None,  # type: ignore[arg-type]
+        on_scale_posted=lambda r, step, op, answer: calls.append((step.index, op, answer)))
+    runner._wait_succeeded = lambda op, what: calls.append(("waited", op))  # type: ignore[method-assign]
+    runner._grow(steps[1])
+    assert calls == [(1, "plan-1-grow-2", {"new_ep_size": 3}), ("waited", "plan-1-grow-2"),
+                     (1, "plan-1-grow-3", {"new_ep_size": 4}), ("waited", "plan-1-grow-3")]
+    assert runner.joiners == {2: "joiner2", 3: "joiner3"}
 
 
 def test_two_ranks_killed_at_once_and_a_stay_step_keeps_them_failed() -> None:
