@@ -84,6 +84,30 @@ def wait_for_phase(url: str, operation_id: str, timeout_s: float) -> dict:
 SCALE_EVENTS = ["scale_requested", "rank_joined", "scale_committed"]
 
 
+def assert_growing_2_to_3_refuses_another_scale(url: str, answer: dict) -> None:
+    """``answer``, the accepted POST 2 -> 3, says so; a second scale request meanwhile gets 409,
+    from the API and from the orchestrator CLI (exit code 3)."""
+    assert answer["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
+    assert (answer["old_ep_size"], answer["new_ep_size"]) == (2, 3), answer
+    conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
+    assert conflict.status_code == 409, conflict.text
+    cli = subprocess.run(
+        [sys.executable, "-m", "sglang_elastic_ep.cli.main", "scale", "--url", url, "--to", "4",
+         "--http-timeout", "60"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert cli.returncode == 3 and "conflict" in cli.stdout, (cli.returncode, cli.stdout)
+
+
+def assert_followed_across_processes(cluster: LocalCluster, operation_id: str) -> None:
+    """Each launch-time scheduler's lines carry ``operation_id`` (rank 1's are in its node's
+    log when it has one)."""
+    for rank in (0, 1):
+        server = cluster.followers.get(rank, cluster.primary)
+        log = server.log_path.read_text(errors="replace")
+        assert f"EP{rank}] [op {operation_id}] [elastic-ep] scale request" in log
+
+
 def grow_2_to_3_joiner_first(cluster: LocalCluster, operation_id: str) -> ServerProcess:
     """Launch the joiner, POST 2 -> 3, check the answer and the 409 for a second request, and
     wait for the commit; returns the joiner."""
@@ -92,27 +116,12 @@ def grow_2_to_3_joiner_first(cluster: LocalCluster, operation_id: str) -> Server
     resp = httpx.post(url + "/scale_elastic_ep",
                       json={"new_ep_size": 3, "operation_id": operation_id}, timeout=60)
     assert resp.status_code == 200, resp.text
-    body = resp.json()
-    assert body["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
-    assert (body["old_ep_size"], body["new_ep_size"]) == (2, 3)
-    conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
-    assert conflict.status_code == 409, conflict.text
-    cli = subprocess.run(  # the orchestrator CLI against the real server: exit code 3
-        [sys.executable, "-m", "sglang_elastic_ep.cli.main", "scale", "--url", url, "--to", "4",
-         "--http-timeout", "60"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert cli.returncode == 3 and "conflict" in cli.stdout, (cli.returncode, cli.stdout)
+    assert_growing_2_to_3_refuses_another_scale(url, resp.json())
     status = wait_for_phase(url, operation_id, SCALE_TIMEOUT_S)
     assert status["effective_ep_size"] == 3, status
     assert status["recent_operations"][0]["result"] == "succeeded", status
     assert status["phase"] == "serving_expanded", status
-    # One operation, followed across processes: each launch-time scheduler's lines carry its
-    # id (rank 1's are in its node's log when it has one).
-    for rank in (0, 1):
-        server = cluster.followers.get(rank, cluster.primary)
-        log = server.log_path.read_text(errors="replace")
-        assert f"EP{rank}] [op {operation_id}] [elastic-ep] scale request" in log
+    assert_followed_across_processes(cluster, operation_id)
     return joiner
 
 
@@ -237,19 +246,8 @@ def test_grow_recover_the_joiner_and_shrink_with_eplb_and_a_late_rank(tiny_model
 
     def conflicts_while_growing(runner: PlanRunner, step: Step, operation_id: str,
                                 answer: dict) -> None:
-        if step.kind != "grow":
-            return
-        url = runner.cluster.url
-        assert answer["message"] == "Scaling initiated from 2 to 3, polling for new ranks"
-        assert (answer["old_ep_size"], answer["new_ep_size"]) == (2, 3), answer
-        conflict = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 4}, timeout=60)
-        assert conflict.status_code == 409, conflict.text
-        cli = subprocess.run(  # the orchestrator CLI against the real server: exit code 3
-            [sys.executable, "-m", "sglang_elastic_ep.cli.main", "scale", "--url", url,
-             "--to", "4", "--http-timeout", "60"],
-            capture_output=True, text=True, timeout=120,
-        )
-        assert cli.returncode == 3 and "conflict" in cli.stdout, (cli.returncode, cli.stdout)
+        if step.kind == "grow":
+            assert_growing_2_to_3_refuses_another_scale(runner.cluster.url, answer)
 
     def rebalanced_at_each_size(step: Step, current: dict) -> None:
         url = cluster.url
@@ -264,12 +262,8 @@ def test_grow_recover_the_joiner_and_shrink_with_eplb_and_a_late_rank(tiny_model
             assert_every_expert_on_two_ranks(wait_rebalanced(url, size, seen[-1],
                                                              REBALANCED_S), size)
         if step.kind == "grow":
-            # One operation, followed across processes: each launch-time scheduler's lines
-            # carry its id.
-            operation_id = f"plan-{step.index}-grow-2"
+            assert_followed_across_processes(cluster, f"plan-{step.index}-grow-2")
             log = cluster.primary.log_path.read_text(errors="replace")
-            for rank in (0, 1):
-                assert f"EP{rank}] [op {operation_id}] [elastic-ep] scale request" in log
             assert "ranks [2] joined by scale-up (new slots)" in log
         seen.append(rebalances(url))
 
