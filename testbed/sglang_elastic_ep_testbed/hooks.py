@@ -61,6 +61,10 @@ HOOKS: tuple[Hook, ...] = (
               "e2e tests stop one scheduler's main thread with SIGUSR1 (a peer that never "
               "enters the collective) to show what a stall report says; the soak asks for "
               "heap figures with SIGUSR2 (with SGLANG_EEP_HEAP_SNAPSHOT_DIR set)"),
+    _cpu_hook(f"{S}managers.scheduler.Scheduler.run_event_loop",
+              "cpu.start_up_share:serve_at_normal_share", "BEFORE",
+              "a server starts with a heavier CPU share (a joiner beside busy ranks on 2 "
+              "cores); its schedulers take the normal share back once they serve"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.on_idle", "cpu.idle:idle_pass", "AROUND",
               "Mooncake's spinning worker stays parked during idle housekeeping and the poll"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.run_batch", "cpu.idle:forward_pass", "AROUND",

@@ -31,6 +31,7 @@ from sglang_elastic_ep_testbed.cluster.procs import (
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.cpu.shared_host import ENV_SHARED_HOST_NODE
+from sglang_elastic_ep_testbed.cpu.start_up_share import favour_start_up
 
 # Environment variable holding a cluster's own tag (see LocalCluster._kill_stragglers).
 CLUSTER_TAG_ENV = "SGLANG_EEP_CLUSTER_TAG"
@@ -176,7 +177,8 @@ class ServerProcess:
     Its own session gives it its own CPU share under Linux's scheduler autogroups, which slows
     a grown cluster on two cores; one session for all servers is not used: a soak run with it
     had a rank stall 30 s in a pass, cause unknown (docs/cpu-testbed.md, "One session for every
-    server of a cluster")."""
+    server of a cluster"). While it starts, its session weighs more
+    (``cpu/start_up_share.py``)."""
 
     def __init__(
         self,
@@ -206,6 +208,7 @@ class ServerProcess:
             start_new_session=True,  # pgid == pid: the cluster signals the group by the pid
         )
         self.pid = self.popen.pid
+        favour_start_up(self.pid)
         self.killed = False  # SIGKILLed by the scenario (LocalCluster.kill_server)
         _LIVE.add(self)
 
