@@ -14,16 +14,18 @@ same arguments, rejoins in place at 3 ranks while the scale-joined rank 2 serves
 operation commits. The steps are the phase plan
 ``test/plans/kill_a_node_and_recover_it.json``.
 
-The same cluster then goes on with a second plan from its step ``[0, 1, 2]``: node 1 and the scale
-joiner are killed together (``kill_a_node_and_its_joiner_together``) and both come back (one
-cluster for both saves a start-up and a scale-up of the suite's time). A second test, on three
-nodes, first kills a launch-time node before any scale, which both survivors take back
-(``kill_a_launch_node_with_two_survivors``); on the same cluster it then removes a live
-launch-time node where it is and refills its hole with a relaunch, shrinks the deployment below
-its launch size, kills and recovers a launch-time node at the smaller size, and refills the
-released launch slot with a joiner (``remove_a_live_node_then_shrink_recover_and_refill``).
-Outside the default suite (``long``): two launch-time nodes killed at once after a scale-up,
-both brought back (``kill_two_launch_nodes_at_once``).
+The same cluster then goes on with two more plans, each from its step ``[0, 1, 2]``: node 1 and
+the scale joiner are killed together (``kill_a_node_and_its_joiner_together``) and both come
+back; then the same with the failed ranks relaunched the highest first, and both joiners of a
+4-rank cluster killed and relaunched so
+(``kill_a_node_and_joiners_then_relaunch_them_highest_first``).
+One cluster for all three saves start-ups and scale-ups of the suite's time. A second test, on
+three nodes, first kills a launch-time node before any scale, which both survivors take back
+(``kill_a_launch_node_with_two_survivors``); on the same cluster it kills two launch-time nodes at
+once after a scale-up to 4 and brings both back (``kill_two_launch_nodes_at_once``), then removes
+a live launch-time node where it is and refills its hole with a relaunch, shrinks the deployment
+below its launch size, kills and recovers a launch-time node at the smaller size, and refills
+the released launch slot with a joiner (``remove_a_live_node_then_shrink_recover_and_refill``).
 """
 
 from __future__ import annotations
@@ -72,12 +74,13 @@ def event_types(events: list[dict], ranks: list[int]) -> list[str]:
 PLAN = Path(__file__).parents[1] / "plans" / "kill_a_node_and_recover_it.json"
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3000)
 def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
     """The plan [[0, 1], [0, -1], [0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0, 1, 2]] (the runner
     checks the set, the serving shards, the lost requests and the outputs at each step), plus
     what an orchestrator sees on the way; then node 1 and the joiner killed together
-    (``node_and_joiner_killed_together``)."""
+    (``node_and_joiner_killed_together``), and the same relaunched the highest first, then both
+    joiners of four ranks (``failed_ranks_relaunched_at_once_highest_first``)."""
     steps = load_plan(PLAN)
     hook = WebhookReceiver()
     spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics",
@@ -149,16 +152,19 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             delivered = hook.wait_for(lambda got: event_types(got, [1]) == expected)
             assert event_types(delivered, [1]) == expected, delivered
 
-            # The same cluster goes on with the next plan from its step [0, 1, 2].
-            node_and_joiner_killed_together(cluster, runner)
+            # The same cluster goes on with the next plans, each from its step [0, 1, 2].
+            together = node_and_joiner_killed_together(cluster, runner)
+            failed_ranks_relaunched_at_once_highest_first(cluster, together)
     finally:
         hook.close()
 
 
 TOGETHER = Path(__file__).parents[1] / "plans" / "kill_a_node_and_its_joiner_together.json"
+HIGHEST_FIRST = (Path(__file__).parents[1] / "plans"
+                 / "kill_a_node_and_joiners_then_relaunch_them_highest_first.json")
 
 
-def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -> None:
+def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -> PlanRunner:
     """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2]] from its step [0, 1, 2] (where
     ``before`` left ``cluster``): node 1 (launch-time rank 1) and the scale joiner (rank 2) are
     killed together. Rank 0 lets slot 2 go and serves alone; node 1's relaunch rejoins at 2
@@ -182,6 +188,7 @@ def node_and_joiner_killed_together(cluster: LocalCluster, before: PlanRunner) -
     joiner_log = runner.joiners[2].log_path.read_text(errors="replace")
     assert "scale joiner serves EP ranks [2] at EP size 3" in joiner_log
     assert read_status(cluster.url)["effective_ep_size"] == 3
+    return runner
 
 
 @pytest.mark.long  # about 7 minutes on a cluster of its own: outside the suite
@@ -246,21 +253,24 @@ def test_a_replacement_killed_as_it_is_taken_back_is_failed_and_relaunched(
 
 BEFORE_ANY_SCALE = (Path(__file__).parents[1] / "plans"
                     / "kill_a_launch_node_with_two_survivors.json")
+TWO_AT_ONCE = Path(__file__).parents[1] / "plans" / "kill_two_launch_nodes_at_once.json"
 AFTER_A_LIVE_REMOVAL = (Path(__file__).parents[1] / "plans"
                         / "remove_a_live_node_then_shrink_recover_and_refill.json")
 
 
-@pytest.mark.timeout(1800)
-def test_a_launch_node_killed_before_any_scale_then_a_live_node_removed_and_refilled(
+@pytest.mark.timeout(2700)
+def test_launch_nodes_killed_one_then_two_at_once_then_a_live_node_removed_and_refilled(
         tiny_model: Path) -> None:
-    """Two plans on one cluster of three nodes, under load.
+    """Three plans on one cluster of three nodes, under load.
 
     First [[0, 1, 2], [0, -1, 2], [0, 1, 2]] (``kill_a_launch_node_with_two_survivors``): node 1
     killed before any scale, ranks 0 and 2 serve on, and both take its relaunch back on one
     agreed pass (upstream's own recovery has each survivor enter on the pass it sees the
     replacement).
 
-    Then, from its last step, [[0, 1, 2], [0, 2], [0, 1, 2], [0, 1], [0, -1], [0, 1], [0, 1, 2]]
+    Then nodes 1 and 2 killed together after a scale-up to 4 (``two_launch_nodes_killed_at_once``).
+
+    Then, from the last step, [[0, 1, 2], [0, 2], [0, 1, 2], [0, 1], [0, -1], [0, 1], [0, 1, 2]]
     (``remove_a_live_node_then_shrink_recover_and_refill``). ``remove_ranks: [1]`` with node 1
     serving: its shard drains, every rank lets it go on one agreed pass and its server exits 0;
     the cluster serves on [0, 2], rank 1 safe to terminate and not failed; a scale-up to 3 and
@@ -271,7 +281,8 @@ def test_a_launch_node_killed_before_any_scale_then_a_live_node_removed_and_refi
     replacement reads the boundary from the store); then a scale joiner refills slot 2."""
     first = load_plan(BEFORE_ANY_SCALE)
     steps = load_plan(AFTER_A_LIVE_REMOVAL)
-    spec = plan_spec(tiny_model, [*first, *steps])  # the fault window the first one needs
+    # The fault window the first two need.
+    spec = plan_spec(tiny_model, [*first, *load_plan(TWO_AT_ONCE), *steps])
     assert spec.nodes == 3 and spec.fault_window_s == FAULT_WINDOW_PAST_HEARTBEAT_S
 
     def recovered(step: Step, status: dict) -> None:
@@ -294,6 +305,7 @@ def test_a_launch_node_killed_before_any_scale_then_a_live_node_removed_and_refi
             assert f"rank {rank} takes back launch-time ranks [1] at 3 ranks" in log
             assert "launch-time ranks [1] rejoined: serving on 3 ranks again" in log
 
+        before = two_launch_nodes_killed_at_once(cluster, before)
         runner = run_plan(cluster, steps, after=before, after_step=hole_then_refilled,
                           kill="scheduler")
         node1_log = cluster.followers[1].log_path.read_text(errors="replace")
@@ -307,65 +319,57 @@ def test_a_launch_node_killed_before_any_scale_then_a_live_node_removed_and_refi
         assert read_status(cluster.url)["effective_ep_size"] == 3
 
 
-TWO_AT_ONCE = Path(__file__).parents[1] / "plans" / "kill_two_launch_nodes_at_once.json"
-
-
-@pytest.mark.long
-@pytest.mark.timeout(2400)
-def test_two_launch_nodes_killed_at_once_after_a_scale_both_rejoin(tiny_model: Path) -> None:
-    """The plan [[0, 1, 2], [0, 1, 2, 3], [0, -1, -2, 3], [0, 1, 2, 3]] on three nodes: after a
-    scale-up to 4, launch-time nodes 1 and 2 are killed together while the scale joiner serves
-    on; both are relaunched in recover mode at once, the survivors (rank 3 too) wait until both
-    replacements are in WORLD and take them back on one agreed pass, at 4 ranks. About 14
-    minutes on 2 cores (four ranks), hence ``long``."""
+def two_launch_nodes_killed_at_once(cluster: LocalCluster, before: PlanRunner) -> PlanRunner:
+    """The plan [[0, 1, 2], [0, 1, 2, 3], [0, -1, -2, 3], [0, 1, 2, 3], [0, 1, 2]]
+    (``kill_two_launch_nodes_at_once``) where ``before`` left ``cluster``: after a scale-up to
+    4, launch-time nodes 1 and 2 are killed together while the scale joiner serves on; both are
+    relaunched in recover mode at once, the survivors (rank 3 too) wait until both replacements
+    are in WORLD and take them back on one agreed pass, at 4 ranks; a shrink then releases the
+    joiner."""
     steps = load_plan(TWO_AT_ONCE)
-    spec = plan_spec(tiny_model, steps)
-    assert spec.nodes == 3
-    with LocalCluster(spec) as cluster:
-        runner = run_plan(cluster, steps)
-        survivor_log = cluster.primary.log_path.read_text(errors="replace")
-        assert "launch-time ranks [1, 2] rejoined: serving on 4 ranks again" in survivor_log
-        joiner_log = runner.joiners[3].log_path.read_text(errors="replace")
-        assert "launch-time ranks [1, 2] rejoined: serving on 4 ranks again" in joiner_log
-        for node in (1, 2):
-            log = cluster.followers[node].log_path.read_text(errors="replace")
-            assert f"rank {node} rejoins at the size the survivors serve on: 4 ranks (launched " \
-                "at 3)" in log
-        assert read_status(cluster.url)["effective_ep_size"] == 4
+    assert plan_spec(cluster.spec.model_path, steps).nodes == cluster.spec.nodes
+    survivor_log_before = len(cluster.primary.log_path.read_text(errors="replace"))
+    runner = run_plan(cluster, steps, after=before)
+    survivor_log = cluster.primary.log_path.read_text(errors="replace")[survivor_log_before:]
+    assert "launch-time ranks [1, 2] rejoined: serving on 4 ranks again" in survivor_log
+    joiner_log = runner.joiners[3].log_path.read_text(errors="replace")
+    assert "launch-time ranks [1, 2] rejoined: serving on 4 ranks again" in joiner_log
+    for node in (1, 2):
+        log = cluster.followers[node].log_path.read_text(errors="replace")
+        assert f"rank {node} rejoins at the size the survivors serve on: 4 ranks (launched " \
+            "at 3)" in log
+    assert read_status(cluster.url)["effective_ep_size"] == 3
+    return runner
 
 
-HIGHEST_FIRST = (Path(__file__).parents[1] / "plans"
-                 / "kill_a_node_and_joiners_then_relaunch_them_highest_first.json")
-
-
-@pytest.mark.long
-@pytest.mark.timeout(3600)
-def test_failed_ranks_relaunched_at_once_highest_first_all_come_back(tiny_model: Path) -> None:
+def failed_ranks_relaunched_at_once_highest_first(cluster: LocalCluster,
+                                                   before: PlanRunner) -> None:
     """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, -3],
-    [0, 1, 2, 3]] with every recover step relaunching its failed ranks the highest first, the
-    joiners before the launch-time node, each started once the one before waits for the
-    survivors (an orchestrator restarting failed pods in any order). First node 1 and joiner 2
-    die together: joiner 2's replacement registers first and waits in its admission until node
-    1's replacement has rejoined in place. Then, at four ranks, both joiners die: rank 3's
+    [0, 1, 2, 3]] from its step [0, 1, 2] (where ``before`` left ``cluster``), with every
+    recover step relaunching its failed ranks the highest first, the joiners before the
+    launch-time node, each started once the one before waits for the survivors (an
+    orchestrator restarting failed pods in any order). First node 1 and joiner 2 die together:
+    joiner 2's replacement registers first and waits in its admission until node 1's
+    replacement has rejoined in place. Then, at four ranks, both joiners die: rank 3's
     replacement registers first and waits until rank 2's is re-admitted at 3 ranks, then comes
-    in at 4. The runner checks every step (sets, serving
-    shards, lost requests, outputs); four clients, as in the plan of a node and its joiner
-    killed together."""
+    in at 4. The runner checks every step (sets, serving shards, lost requests, outputs); four
+    clients, as in the plan of a node and its joiner killed together."""
     steps = load_plan(HIGHEST_FIRST)
-    spec = plan_spec(tiny_model, steps)
-    assert spec.nodes == 2
-    with LocalCluster(spec) as cluster:
-        runner = run_plan(cluster, steps, concurrency=4, relaunch_order="highest_first")
-        survivor_log = cluster.primary.log_path.read_text(errors="replace")
-        rejoined = survivor_log.index("launch-time ranks [1] rejoined: serving on 2 ranks again")
-        readmitted = survivor_log.index("replacement for ranks 2..2 registered: re-admitting it")
-        assert rejoined < readmitted  # the joiner started first waited for the node
-        assert "ranks [2] are back (3 ranks); ranks 3..3 await their replacement" in survivor_log
-        assert "recovered ranks that joined by scale-up: back at 4 ranks" in survivor_log
-        for rank in (2, 3):
-            log = runner.joiners[rank].log_path.read_text(errors="replace")
-            assert f"scale joiner serves EP ranks [{rank}] at EP size {rank + 1}" in log, rank
-        assert read_status(cluster.url)["effective_ep_size"] == 4
+    assert plan_spec(cluster.spec.model_path, steps).nodes == cluster.spec.nodes
+    # The plans before this one wrote the same lines: only what this one adds counts.
+    survivor_log_before = len(cluster.primary.log_path.read_text(errors="replace"))
+    runner = run_plan(cluster, steps, concurrency=4, relaunch_order="highest_first",
+                      after=before, from_step=1)
+    survivor_log = cluster.primary.log_path.read_text(errors="replace")[survivor_log_before:]
+    rejoined = survivor_log.index("launch-time ranks [1] rejoined: serving on 2 ranks again")
+    readmitted = survivor_log.index("replacement for ranks 2..2 registered: re-admitting it")
+    assert rejoined < readmitted  # the joiner started first waited for the node
+    assert "ranks [2] are back (3 ranks); ranks 3..3 await their replacement" in survivor_log
+    assert "recovered ranks that joined by scale-up: back at 4 ranks" in survivor_log
+    for rank in (2, 3):
+        log = runner.joiners[rank].log_path.read_text(errors="replace")
+        assert f"scale joiner serves EP ranks [{rank}] at EP size {rank + 1}" in log, rank
+    assert read_status(cluster.url)["effective_ep_size"] == 4
 
 
 @pytest.mark.timeout(900)
