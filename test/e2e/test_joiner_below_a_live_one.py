@@ -22,7 +22,7 @@ dies too, the failed joiners are a tail the survivors let go, and the launch-tim
 failed with them rejoins first
 (``kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json``).
 
-Marker ``long``: the second joiner starts beside three ranks on two cores (6-10 minutes each).
+Marker ``long``: 5-9 minutes each on two cores, more than the suite can take for all four.
 """
 
 from __future__ import annotations

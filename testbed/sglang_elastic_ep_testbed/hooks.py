@@ -70,6 +70,10 @@ HOOKS: tuple[Hook, ...] = (
     _cpu_hook(f"{S}managers.scheduler.Scheduler.run_batch", "cpu.idle:forward_pass", "AROUND",
               "Mooncake's spinning worker stays parked through the forward pass (its MoE "
               "tokens go over NIXL), leaving the core to the schedulers"),
+    _cpu_hook(f"{S}model_executor.model_runner.ModelRunner.forward",
+              "cpu.slow_pass:dump_stacks_of_a_slow_pass", "AROUND",
+              "a pass past 20 s prints every thread's stack from a native watchdog: tells a "
+              "rank that was not scheduled from one blocked in a call holding the GIL"),
     _cpu_hook(f"{S}server_args.wait_port_available", "cpu.shared_host:wait_port_available",
               "AROUND",
               "a node relaunched on node 0's host (CPU cluster) must not wait for node 0's ports"),
