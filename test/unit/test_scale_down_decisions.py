@@ -3,7 +3,9 @@ is refused. (The idle step's place in the loop: test_scale_progress.py.)"""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
+from collections.abc import Callable
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -230,3 +232,58 @@ def test_a_shrink_past_every_failed_rank_is_no_recovery_in_progress() -> None:
                               active_ranks=torch.ones(4, dtype=torch.int32),
                               active_ranks_cpu=torch.ones(4, dtype=torch.int32))
     assert not scale_down.removes_every_failed_rank(healthy, 2)  # nothing failed to remove
+
+
+class _FakeMooncakePg(ModuleType):
+    """``mooncake.pg`` whose proposal fails as the coordinator's RPC timing out does."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__("mooncake.pg")
+        self.fail = fail
+        self.proposed: list[tuple[object, list[int]]] = []
+
+    def deactivate_ranks(self, group: object, ranks: list[int]) -> object:
+        self.proposed.append((group, ranks))
+        if self.fail:
+            raise RuntimeError("mooncakePgCommDeactivateRanks failed: RPC error: "
+                               "proposeViewUpdate RPC failed: time out")
+        return SimpleNamespace(status="Applied", new_epoch=11)
+
+
+@pytest.fixture
+def mooncake_pg(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], _FakeMooncakePg]:
+    def install(fail: bool) -> _FakeMooncakePg:
+        module = _FakeMooncakePg(fail)
+        monkeypatch.setitem(sys.modules, "mooncake", ModuleType("mooncake"))
+        monkeypatch.setitem(sys.modules, "mooncake.pg", module)
+        return module
+    return install
+
+
+def test_a_leaving_rank_whose_own_proposal_fails_still_leaves(
+        mooncake_pg: Callable[[bool], _FakeMooncakePg], caplog: pytest.LogCaptureFixture) -> None:
+    from sglang_elastic_ep.sglang.tail_release import propose_deactivation
+
+    pg = mooncake_pg(True)
+    assert propose_deactivation("WORLD", [2], leaving=True) is None
+    assert pg.proposed == [("WORLD", [2])]
+    assert "leaves although its own Mooncake proposal to deactivate [2] failed" in caplog.text
+
+
+def test_a_staying_rank_whose_proposal_fails_raises(
+        mooncake_pg: Callable[[bool], _FakeMooncakePg]) -> None:
+    from sglang_elastic_ep.sglang.tail_release import propose_deactivation
+
+    mooncake_pg(True)
+    with pytest.raises(RuntimeError, match="proposeViewUpdate"):
+        propose_deactivation("WORLD", [2], leaving=False)
+
+
+def test_an_applied_proposal_is_answered_on_every_rank(
+        mooncake_pg: Callable[[bool], _FakeMooncakePg]) -> None:
+    from sglang_elastic_ep.sglang.tail_release import propose_deactivation
+
+    mooncake_pg(False)
+    for leaving in (True, False):
+        answer = propose_deactivation("WORLD", [2], leaving=leaving)
+        assert (answer.status, answer.new_epoch) == ("Applied", 11)

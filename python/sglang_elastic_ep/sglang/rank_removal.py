@@ -33,7 +33,7 @@ from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.tail_recovery import live_mask, uncovered_on_ranks
-from sglang_elastic_ep.sglang.tail_release import leave, server_ranks
+from sglang_elastic_ep.sglang.tail_release import leave, propose_deactivation, server_ranks
 from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on, state_manager
 from sglang_elastic_ep.sglang.world_view import world_quiesce
 
@@ -86,7 +86,6 @@ def release_removed_ranks(runner: Any, ranks: Sequence[int],
     """Every active rank, on the same agreed pass: ``ranks`` become inactive everywhere and
     leave WORLD's and the launch-time groups' collectives. Does not return on a removed rank.
     ``enter_phase`` is told each step and the end (the removal's machine)."""
-    from mooncake.pg import deactivate_ranks
     from sglang.srt.elastic_ep.elastic_ep import (
         _iter_live_parallel_groups,
         _map_global_to_group_local_ranks,
@@ -105,7 +104,8 @@ def release_removed_ranks(runner: Any, ranks: Sequence[int],
     state.sync_active_to_cpu()
     mirror_of(state).set_active(removed, active=False)
     world_quiesce(state).before_view_change("remove", removed)
-    answer = deactivate_ranks(dist.group.WORLD, removed)
+    leaving = rank in removed
+    answer = propose_deactivation(dist.group.WORLD, removed, leaving=leaving)
     logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks(%s): %s, epoch %s", rank,
                 removed, getattr(answer, "status", answer), getattr(answer, "new_epoch", "?"))
     # The launch-time groups too, as Mooncake's fault detection marks a crashed rank in each:
@@ -115,7 +115,7 @@ def release_removed_ranks(runner: Any, ranks: Sequence[int],
         if not local or group.world_size <= 1:
             continue
         for backend in (group.device_group, group.cpu_group):
-            deactivate_ranks(backend, local)
+            propose_deactivation(backend, local, leaving=leaving)
         for name in ("active_ranks", "active_ranks_cpu"):
             mask = getattr(group, name, None)
             if mask is not None:
@@ -123,7 +123,6 @@ def release_removed_ranks(runner: Any, ranks: Sequence[int],
     # A membership change, as a tail release is (upstream's ``has_scaled``); a relaunch is
     # taken back on a pass every survivor agreed on (launch_recovery's RECOVER step).
     state.has_scaled = True
-    leaving = rank in removed
     enter_phase(Phase.RELEASED if leaving else Phase.SERVING_CONTRACTED)
     if leaving:
         logger.info("[elastic-ep] rank %d left (removed where it was; ranks %s)", rank, removed)

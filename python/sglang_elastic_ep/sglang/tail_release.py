@@ -43,7 +43,6 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
     (tail_recovery): nothing can be read from dead ranks (that path checks beforehand that
     the survivors hold every expert), and the HTTP process keeps its size and shows the slots
     failed until their replacement joins."""
-    from mooncake.pg import deactivate_ranks
     from sglang.srt.eplb.expert_distribution import (
         ExpertDistributionRecorder,
         set_global_expert_distribution_recorder,
@@ -101,7 +100,7 @@ def release_tail(runner: Any, target: int, *, tell_tokenizer: bool = True,
         # leaves with the tail: the next process in its slot joins by scale-up.
         replacement_notices.withdraw_in_place(leaving)
     world_quiesce(state).before_view_change("release", leaving)
-    answer = deactivate_ranks(dist.group.WORLD, leaving)
+    answer = propose_deactivation(dist.group.WORLD, leaving, leaving=not staying)
     logger.info("[elastic-ep] rank %d: Mooncake deactivate_ranks(%s): %s, epoch %s", rank,
                 leaving, getattr(answer, "status", answer), getattr(answer, "new_epoch", "?"))
     state.effective_ep_size = target
@@ -183,6 +182,28 @@ def server_ranks() -> range:
         ranks_per_node=per_server,
     )
     return range(first, first + per_server)
+
+
+def propose_deactivation(group: Any, ranks: list[int], *, leaving: bool) -> Any:
+    """Mooncake's answer to this rank's proposal that ``ranks`` leave ``group``; None when the
+    proposal failed on a rank that leaves.
+
+    Every rank of the agreed pass proposes the same change and Mooncake applies it once. A
+    leaving rank whose own proposal fails (seen: the coordinator's RPC timed out while it
+    handled the others') still leaves as released, exit 0: the staying ranks' proposals make
+    the change, and a staying rank's failure raises as before. Exiting 1 instead would have its
+    orchestrator relaunch a rank the scale-down released."""
+    from mooncake.pg import deactivate_ranks
+
+    try:
+        return deactivate_ranks(group, ranks)
+    except RuntimeError as exc:
+        if not leaving:
+            raise
+        logger.warning("[elastic-ep] this rank leaves although its own Mooncake proposal to "
+                       "deactivate %s failed (%s): the staying ranks propose the same change",
+                       ranks, exc)
+        return None
 
 
 def leave(*, whole_server: bool) -> None:
