@@ -41,6 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sglang_elastic_ep_testbed.cpu.settings import env_number
+
 logger = logging.getLogger(__name__)
 
 ENV_IDLE_POLL_MS = "SGLANG_EEP_IDLE_POLL_MS"
@@ -62,13 +64,7 @@ SPIN_MIN_SHARE = 0.1  # of one core over the window; an idle thread is at ~0
 
 
 def idle_poll_ms() -> float:
-    raw = os.environ.get(ENV_IDLE_POLL_MS)
-    if raw is None:
-        return DEFAULT_IDLE_POLL_MS
-    value = float(raw)
-    if value < 0:
-        raise ValueError(f"{ENV_IDLE_POLL_MS} must be >= 0 ms, got {raw}")
-    return value
+    return env_number(ENV_IDLE_POLL_MS, DEFAULT_IDLE_POLL_MS, low=0, unit=" ms")
 
 
 def env_flag(name: str, default: bool) -> bool:

@@ -14,9 +14,10 @@ again, after the log lines stamped later.
 from __future__ import annotations
 
 import faulthandler
-import os
 import sys
 from typing import Any
+
+from sglang_elastic_ep_testbed.cpu.settings import env_number
 
 ENV_SLOW_PASS_DUMP_S = "SGLANG_EEP_SLOW_PASS_DUMP_S"
 # A healthy pass on the CPU cluster takes milliseconds; a survivor waits up to its NIXL timeout
@@ -25,13 +26,7 @@ DEFAULT_SLOW_PASS_DUMP_S = 20.0
 
 
 def slow_pass_dump_s() -> float:
-    raw = os.environ.get(ENV_SLOW_PASS_DUMP_S)
-    if raw is None:
-        return DEFAULT_SLOW_PASS_DUMP_S
-    value = float(raw)
-    if value < 0:
-        raise ValueError(f"{ENV_SLOW_PASS_DUMP_S} must be >= 0 s, got {raw}")
-    return value
+    return env_number(ENV_SLOW_PASS_DUMP_S, DEFAULT_SLOW_PASS_DUMP_S, low=0, unit=" s")
 
 
 def dump_stacks_of_a_slow_pass(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:

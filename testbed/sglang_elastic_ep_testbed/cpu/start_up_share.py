@@ -16,9 +16,10 @@ Mooncake workers spinning (docs/cpu-testbed.md). ``SGLANG_EEP_START_UP_NICE=0`` 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
+
+from sglang_elastic_ep_testbed.cpu.settings import env_number
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +31,10 @@ NORMAL_NICE = 0
 
 
 def start_up_nice() -> int:
-    raw = os.environ.get(ENV_START_UP_NICE)
-    if raw is None:
-        return DEFAULT_START_UP_NICE
-    value = int(raw)
-    if not -20 <= value <= 19:
-        raise ValueError(f"{ENV_START_UP_NICE} must be a nice value in -20..19, got {raw}")
-    return value
+    value = env_number(ENV_START_UP_NICE, DEFAULT_START_UP_NICE, low=-20, high=19)
+    if value != int(value):
+        raise ValueError(f"{ENV_START_UP_NICE} must be a whole nice value, got {value:g}")
+    return int(value)
 
 
 def autogroup_path(pid: int | str) -> Path:
