@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -12,6 +13,13 @@ from sglang_elastic_ep_testbed.cpu.slow_pass import (
     slow_pass_dump_s,
 )
 from sglang_elastic_ep_testbed.hooks import HOOKS
+
+
+@pytest.fixture(autouse=True)
+def limit_read_anew() -> Iterator[None]:
+    slow_pass_dump_s.cache_clear()  # read once per process; each test sets its own
+    yield
+    slow_pass_dump_s.cache_clear()
 
 
 def a_pass_blocked_in_its_forward(scheduler: object, seconds: float) -> str:

@@ -189,8 +189,8 @@ def propose_deactivation(group: Any, ranks: list[int], *, leaving: bool) -> Any:
     proposal failed on a rank that leaves.
 
     Every rank of the agreed pass proposes the same change and Mooncake applies it once. A
-    leaving rank whose own proposal fails (seen: the coordinator's RPC timed out while it
-    handled the others') still leaves as released, exit 0: the staying ranks' proposals make
+    leaving rank whose own proposal fails (the coordinator's RPC can time out while it handles
+    the others') still leaves as released, exit 0: the staying ranks' proposals make
     the change, and a staying rank's failure raises as before. Exiting 1 instead would have its
     orchestrator relaunch a rank the scale-down released."""
     from mooncake.pg import deactivate_ranks

@@ -1,11 +1,9 @@
 """Every thread's stack in the server's log when a forward pass runs long, on the CPU testbed.
 
-Twice a rank's NIXL message never arrived and its peers took it for failed; the last time, two
-servers stopped running for a minute at once, their progress publishers (a thread of their own)
-silent too (docs/cpu-testbed.md, "Seen three times: a rank's NIXL message never arrived"). A
-process that is not scheduled and one whose main thread is blocked in a native call that keeps
-the GIL look the same from outside. ``faulthandler``'s watchdog is a native thread that needs
-no GIL: armed for each pass, it prints every Python thread's stack once the pass has run
+A process that is not scheduled and one whose main thread is blocked in a native call that keeps
+the GIL look the same from outside (docs/cpu-testbed.md, "Seen three times: a rank's NIXL
+message never arrived"). ``faulthandler``'s watchdog is a native thread that needs no GIL: armed
+for each pass, it prints every Python thread's stack once the pass has run
 ``SGLANG_EEP_SLOW_PASS_DUMP_S`` (default 20 s; 0 turns it off). On time, a dump shows the call
 the main thread is blocked in; a process that was not scheduled prints it only once it runs
 again, after the log lines stamped later.
@@ -14,6 +12,7 @@ again, after the log lines stamped later.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import sys
 from typing import Any
 
@@ -25,6 +24,7 @@ ENV_SLOW_PASS_DUMP_S = "SGLANG_EEP_SLOW_PASS_DUMP_S"
 DEFAULT_SLOW_PASS_DUMP_S = 20.0
 
 
+@functools.cache  # read once per process: it is asked on every forward pass
 def slow_pass_dump_s() -> float:
     return env_number(ENV_SLOW_PASS_DUMP_S, DEFAULT_SLOW_PASS_DUMP_S, low=0, unit=" s")
 

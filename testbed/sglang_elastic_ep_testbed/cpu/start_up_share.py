@@ -2,10 +2,10 @@
 
 Each server of the CPU cluster runs in a session of its own, and Linux's scheduler autogroups
 give every session the same share of the CPU (docs/cpu-testbed.md, "One session for every
-server of a cluster"). A joiner starting beside three serving ranks on two cores got about a
-fifth of a core for its start-up, almost all of it Python importing SGLang in each of its
-processes, and took four to five minutes; beside two ranks, one minute. On a GPU host a joiner
-starts on a machine of its own.
+server of a cluster"). A joiner starting beside three serving ranks on two cores then gets a
+small share for its start-up, almost all of it Python importing SGLang in each of its processes
+(docs/cpu-testbed.md, "Three ranks on two cores"). On a GPU host a joiner starts on a machine of
+its own.
 
 So the launcher gives a new server's session a heavier weight (``START_UP_NICE``, Linux's
 autogroup nice), and each of its schedulers sets it back to 0 as it enters its event loop. A
