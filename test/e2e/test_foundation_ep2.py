@@ -25,6 +25,7 @@ from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
 from sglang_elastic_ep_testbed.cluster.procs import kill_tree, off_loopback_sockets
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
+from sglang_elastic_ep_testbed.cpu.child_start import CHILD_START_LINE, ENV_CHILD_START
 
 MAX_NEW_TOKENS = 16
 CLI = [sys.executable, "-m", "sglang_elastic_ep.cli.main"]
@@ -82,7 +83,11 @@ def check_contract_rejects_bad_input(url: str, max_size: int) -> None:
 
 
 @pytest.mark.timeout(1200)
-def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path) -> None:
+def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a GPU: the servers' children spawn, each loading the plugins through their entry
+    # points (every other scenario forks them, for a shorter start-up).
+    monkeypatch.setenv(ENV_CHILD_START, "spawn")
     with LocalCluster(ClusterSpec(tiny_model, ep_size=1, elastic=False)) as one:
         reference, _ = greedy_outputs(one.url)
         reference_chat = chat(one.url)
@@ -103,6 +108,8 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path) -
         assert info.get("attn_dp_size", info.get("dp_size")) == 2, "one DP shard per rank"
         assert info["elastic_ep_backend"] == "mooncake"
         assert len(ServerProcess.scheduler_pids_of(state.servers[0].pid)) == 2
+        server_log = Path(state.servers[0].log).read_text(errors="replace")
+        assert f"{CHILD_START_LINE} spawn" in server_log
         nixl_outputs, nixl_shards = greedy_outputs(state.url)
         nixl_chat = chat(state.url)
         check_contract_rejects_bad_input(state.url, max_size=4)

@@ -74,6 +74,10 @@ HOOKS: tuple[Hook, ...] = (
               "cpu.slow_pass:dump_stacks_of_a_slow_pass", "AROUND",
               "a pass past 20 s prints every thread's stack from a native watchdog: tells a "
               "rank that was not scheduled from one blocked in a call holding the GIL"),
+    _cpu_hook(f"{S}entrypoints.engine._set_envs_and_config", "cpu.child_start:fork_children",
+              "AFTER",
+              "a server's children fork instead of spawning: no CUDA here, and each spawned "
+              "child imported torch and SGLang again, most of a server's start-up on 2 cores"),
     _cpu_hook(f"{S}server_args.wait_port_available", "cpu.shared_host:wait_port_available",
               "AROUND",
               "a node relaunched on node 0's host (CPU cluster) must not wait for node 0's ports"),
