@@ -22,7 +22,9 @@ dies too, the failed joiners are a tail the survivors let go, and the launch-tim
 failed with them rejoins first
 (``kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json``).
 
-Marker ``long``: 5-9 minutes each on two cores, more than the suite can take for all four.
+The four run on one cluster of two nodes: the in-place plan from its start, each of the
+others from its four-rank step, where the one before ended (one cluster start, and no step
+that only rebuilds a state). Their operation ids carry each plan's own prefix.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ import pytest
 
 from sglang_elastic_ep_testbed.cluster import LocalCluster
 from sglang_elastic_ep_testbed.cluster.observe import sse_events
-from sglang_elastic_ep_testbed.cluster.plans import Step, load_plan, plan_spec, run_plan
+from sglang_elastic_ep_testbed.cluster.plans import (
+    PlanRunner,
+    Step,
+    load_plan,
+    plan_spec,
+    run_plan,
+)
 
 PLANS = Path(__file__).parents[1] / "plans"
 PLAN = PLANS / "kill_a_joiner_below_a_live_one_then_shrink_past_it.json"
@@ -43,140 +51,161 @@ MIXED_PLAN = PLANS / "kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_jo
 REMOVAL_PLAN = PLANS / "remove_a_joiner_below_a_live_one_then_refill_it.json"
 
 
-@pytest.mark.long
-@pytest.mark.timeout(2700)
-def test_a_killed_joiner_below_a_live_one_is_shrunk_past(tiny_model: Path) -> None:
-    """Every step of the plan is checked by the runner (sets, serving shards, lost requests,
-    outputs); at the kill, the refusal of a size that cannot work names the three ways that
-    do: the relaunch, the shrink past rank 2 and its removal where it is."""
-    steps = load_plan(PLAN)
-    spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics"])
-    assert spec.nodes == 1  # the launch ranks share one server; each joiner has its own
+def events_after(url: str, last_id: int) -> list[dict]:
+    """The events with ids above ``last_id``: those of the plans run since."""
+    return [e for e in sse_events(url) if e["event_id"] > last_id]
+
+
+def last_event_id(url: str) -> int:
+    return max((e["event_id"] for e in sse_events(url)), default=0)
+
+
+class LogSince:
+    """The text a server's log gained since this was made (a chained plan's own lines)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size
+
+    def text(self) -> str:
+        with self.path.open("rb") as log:
+            log.seek(self.offset)
+            return log.read().decode(errors="replace")
+
+
+@pytest.mark.timeout(5400)
+def test_a_joiner_below_a_live_one_rejoins_is_removed_is_let_go_or_is_shrunk_past(
+        tiny_model: Path) -> None:
+    """The four plans on one cluster of two nodes: the in-place plan from its start, then each
+    of the others from its own four-rank step, where the one before ended."""
+    in_place, removal, mixed, shrunk_past = (load_plan(path) for path in
+                                             (IN_PLACE_PLAN, REMOVAL_PLAN, MIXED_PLAN, PLAN))
+    spec = plan_spec(tiny_model, [*in_place, *removal, *mixed, *shrunk_past],
+                     extra_args=["--enable-metrics"])
+    assert spec.nodes == 2  # node 1 dies and comes back alone
+    with LocalCluster(spec) as cluster:
+        runner = rejoins_in_place(cluster, in_place)
+        runner = removed_where_it_is_and_refilled(cluster, removal, runner)
+        runner = let_go_with_the_one_above(cluster, mixed, runner)
+        shrunk_past_it(cluster, shrunk_past, runner)
+
+
+def rejoins_in_place(cluster: LocalCluster, steps: list[Step]) -> PlanRunner:
+    """Rank 2 killed while rank 3 serves: its relaunch rejoins in place at 4 ranks, rank 3
+    serving throughout. Then node 1 and rank 2 are killed together and relaunched, rank 2's
+    first (node 1's starts once rank 2's waits): the survivors take both back on one agreed
+    pass."""
+    runner = run_plan(cluster, steps, concurrency=4, relaunch_order="highest_first",
+                      operation_prefix="in-place")
+    survivor_log = cluster.primary.log_path.read_text(errors="replace")
+    assert "ranks [2] rejoined: serving on 4 ranks again" in survivor_log
+    assert "ranks [1, 2] rejoined: serving on 4 ranks again" in survivor_log
+    assert "the survivors let go" not in survivor_log  # nothing left the layout
+    above = runner.joiners[3].log_path.read_text(errors="replace")
+    assert "ranks [1, 2] rejoined: serving on 4 ranks again" in above
+    replacement = runner.joiners[2].log_path.read_text(errors="replace")
+    assert "rank 2 rejoins at the size the survivors serve on: 4 ranks" in replacement
+    assert "registered its cohort" not in replacement
+    recovered = [e["ranks"] for e in sse_events(cluster.url) if e["type"] == "rank_recovered"]
+    assert any(2 in ranks for ranks in recovered), recovered
+    return runner
+
+
+def removed_where_it_is_and_refilled(cluster: LocalCluster, steps: list[Step],
+                                     before: PlanRunner) -> PlanRunner:
+    """Rank 2 removed live (its shard drains, its server exits 0) and refilled by its
+    relaunch, which rejoins in place; then killed, removed failed, and rank 3 killed too: the
+    hole joins the failed tail, and the tail's relaunches bring the cluster back to four."""
+    survivor_log = LogSince(cluster.primary.log_path)
+    last_id = last_event_id(cluster.url)
+    rejoined: list[str] = []
+
+    def holes_then_tail(step: Step, current: dict) -> None:
+        if step.kind == "remove":
+            assert current["effective_ep_size"] == 3, current
+            assert current["ranks"][2]["state"] == "safe_to_terminate", current
+            refused = httpx.post(cluster.url + "/scale_elastic_ep", json={"new_ep_size": 2},
+                                 timeout=60)
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["reason"] == "removed_ranks_present", refused.text
+        elif step.index == 4:  # the replacement that refilled the hole: the newest one
+            logs = sorted(cluster.spec.log_dir.glob("joiner-recover-r2-*.log"),
+                          key=lambda path: path.stat().st_mtime)
+            rejoined.append(logs[-1].read_text(errors="replace"))
+
+    runner = run_plan(cluster, steps, after=before, from_step=2, after_step=holes_then_tail,
+                      operation_prefix="removal")
+    text = survivor_log.text()
+    assert "ranks [2] removed where they were" in text
+    assert "ranks [2] rejoined: serving on 4 ranks again" in text
+    assert rejoined and "rank 2 rejoins at the size the survivors serve on: 4 ranks" \
+        in rejoined[0]
+    assert "registered its cohort" not in rejoined[0]
+    events = events_after(cluster.url, last_id)
+    taken_in = [e for e in events if e["type"] == "rank_failed" and e.get("ranks") == [2]
+                and "relaunch them all" in e.get("reason", "")]
+    assert taken_in, events
+    return runner
+
+
+def let_go_with_the_one_above(cluster: LocalCluster, steps: list[Step],
+                              before: PlanRunner) -> PlanRunner:
+    """At the double kill every size change is refused with the way out (their relaunch:
+    they rejoin in place); rank 3 then dies too, so the failed joiners [2, 3] are a tail the
+    survivor lets go, node 1 rejoins in place, and the joiners' relaunches bring the cluster
+    back to four ranks."""
+    last_id = last_event_id(cluster.url)
+
+    def refused_then_recovered(step: Step, current: dict) -> None:
+        if step.index == 3:
+            assert current["phase"] == "serving_degraded", current
+            for size in (2, 3):
+                refused = httpx.post(cluster.url + "/scale_elastic_ep",
+                                     json={"new_ep_size": size}, timeout=60)
+                assert refused.status_code == 409, refused.text
+                message = refused.json()["message"]
+                assert "relaunch them with --elastic-ep-join-mode recover" in message, message
+            after = httpx.get(cluster.url + "/elastic_ep/status", timeout=30).json()
+            assert after["effective_ep_size"] == 4 and after["current_operation"] is None, after
+        elif step.index == 6:
+            assert current["effective_ep_size"] == 4, current
+
+    runner = run_plan(cluster, steps, after=before, from_step=2,
+                      after_step=refused_then_recovered, operation_prefix="mixed")
+    recovered = {rank for e in events_after(cluster.url, last_id)
+                 if e["type"] == "rank_recovered" for rank in e.get("ranks", [])}
+    assert 1 in recovered, recovered
+    return runner
+
+
+def shrunk_past_it(cluster: LocalCluster, steps: list[Step], before: PlanRunner) -> None:
+    """At the kill, the refusal of a size that cannot work names the three ways that do: the
+    relaunch, the shrink past rank 2 and its removal where it is; the shrink past it lets both
+    joiners go, and a scale-up refills a slot."""
+    last_id = last_event_id(cluster.url)
 
     def refused_then_shrunk_past(step: Step, current: dict) -> None:
-        url = cluster.url
         if step.kind == "kill":
             assert current["phase"] == "serving_degraded", current
             assert current["ranks"][2]["state"] == "failed", current
-            short = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3}, timeout=60)
+            short = httpx.post(cluster.url + "/scale_elastic_ep", json={"new_ep_size": 3},
+                               timeout=60)
             assert short.status_code == 409, short.text  # not past rank 2
             for way in ("scale down to 2 instead", "they rejoin in place",
                         'remove them where they are: {"remove_ranks": [2]}'):
                 assert way in short.json()["message"], short.text
-            after = httpx.get(url + "/elastic_ep/status", timeout=30).json()
+            after = httpx.get(cluster.url + "/elastic_ep/status", timeout=30).json()
             assert after["effective_ep_size"] == 4 and after["current_operation"] is None, after
         elif step.kind == "shrink":
             assert current["effective_ep_size"] == 2, current
             assert [current["ranks"][r]["state"] for r in (2, 3)] == \
                 ["safe_to_terminate", "safe_to_terminate"], current
 
-    with LocalCluster(spec) as cluster:
-        run_plan(cluster, steps, after_step=refused_then_shrunk_past)
-        events = sse_events(cluster.url)
-        shrink = [e["type"] for e in events if e.get("operation_id") == "plan-4-shrink"]
-        assert shrink == ["scale_requested", "scale_committed", "safe_to_terminate"], events
-        faults = [e["type"] for e in events
-                  if e.get("ranks") == [2] and e.get("operation_id") is None]
-        assert faults and faults[0] == "rank_failed" and "rank_recovered" not in faults, events
-
-
-@pytest.mark.long
-@pytest.mark.timeout(3600)
-def test_a_launch_node_and_a_joiner_below_a_live_one_recover_after_the_one_above_dies_too(
-        tiny_model: Path) -> None:
-    """At the double kill every size change is refused with the way out (their relaunch:
-    they rejoin in place); rank 3 then dies too, so the failed joiners [2, 3] are a tail the
-    survivor lets go, node 1 rejoins in place, and the joiners' relaunches bring the cluster
-    back to four ranks. The runner checks every step (sets, serving shards, lost requests,
-    outputs)."""
-    steps = load_plan(MIXED_PLAN)
-    spec = plan_spec(tiny_model, steps)
-    assert spec.nodes == 2  # node 1 dies and comes back alone
-
-    def refused_then_recovered(step: Step, current: dict) -> None:
-        url = cluster.url
-        if step.index == 3:
-            assert current["phase"] == "serving_degraded", current
-            for size in (2, 3):
-                refused = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": size},
-                                     timeout=60)
-                assert refused.status_code == 409, refused.text
-                message = refused.json()["message"]
-                assert "relaunch them with --elastic-ep-join-mode recover" in message, message
-            after = httpx.get(url + "/elastic_ep/status", timeout=30).json()
-            assert after["effective_ep_size"] == 4 and after["current_operation"] is None, after
-        elif step.index == 6:
-            assert current["effective_ep_size"] == 4, current
-
-    with LocalCluster(spec) as cluster:
-        run_plan(cluster, steps, after_step=refused_then_recovered)
-        events = sse_events(cluster.url)
-        recovered = {rank for e in events if e["type"] == "rank_recovered"
-                     for rank in e.get("ranks", [])}
-        assert 1 in recovered, events
-
-
-@pytest.mark.long
-@pytest.mark.timeout(3600)
-def test_a_killed_joiner_below_a_live_one_rejoins_in_place(tiny_model: Path) -> None:
-    """Rank 2 killed while rank 3 serves: its relaunch rejoins in place at 4 ranks, rank 3
-    serving throughout. Then node 1 and rank 2 are killed together and relaunched, rank 2's
-    first (node 1's starts once rank 2's waits): the survivors take both back on one agreed
-    pass. The runner checks
-    every step (sets, serving shards, lost requests, outputs)."""
-    steps = load_plan(IN_PLACE_PLAN)
-    spec = plan_spec(tiny_model, steps)
-    assert spec.nodes == 2  # node 1 dies and comes back alone
-    with LocalCluster(spec) as cluster:
-        runner = run_plan(cluster, steps, concurrency=4, relaunch_order="highest_first")
-        survivor_log = cluster.primary.log_path.read_text(errors="replace")
-        assert "ranks [2] rejoined: serving on 4 ranks again" in survivor_log
-        assert "ranks [1, 2] rejoined: serving on 4 ranks again" in survivor_log
-        assert "the survivors let go" not in survivor_log  # nothing left the layout
-        above = runner.joiners[3].log_path.read_text(errors="replace")
-        assert "ranks [1, 2] rejoined: serving on 4 ranks again" in above
-        replacement = runner.joiners[2].log_path.read_text(errors="replace")
-        assert "rank 2 rejoins at the size the survivors serve on: 4 ranks" in replacement
-        assert "registered its cohort" not in replacement
-        events = sse_events(cluster.url)
-        recovered = [e["ranks"] for e in events if e["type"] == "rank_recovered"]
-        assert [2] in recovered or any(2 in r for r in recovered), events
-
-
-@pytest.mark.long
-@pytest.mark.timeout(3600)
-def test_a_joiner_below_a_live_one_is_removed_where_it_is_and_its_relaunch_refills_it(
-        tiny_model: Path) -> None:
-    """Rank 2 removed live (its shard drains, its server exits 0) and refilled by its
-    relaunch, which rejoins in place; then killed, removed failed, and rank 3 killed too: the
-    hole joins the failed tail, and the tail's relaunches bring the cluster back to four. The
-    runner checks every step (sets, serving shards, lost requests, outputs)."""
-    steps = load_plan(REMOVAL_PLAN)
-    spec = plan_spec(tiny_model, steps)
-    rejoined: list[str] = []
-
-    def holes_then_tail(step: Step, current: dict) -> None:
-        url = cluster.url
-        if step.kind == "remove":
-            assert current["effective_ep_size"] == 3, current
-            assert current["ranks"][2]["state"] == "safe_to_terminate", current
-            refused = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 2}, timeout=60)
-            assert refused.status_code == 409, refused.text
-            assert refused.json()["reason"] == "removed_ranks_present", refused.text
-        elif step.index == 4:  # the replacement that refilled the hole: the newest one
-            logs = sorted(spec.log_dir.glob("joiner-recover-r2-*.log"),
-                          key=lambda path: path.stat().st_mtime)
-            rejoined.append(logs[-1].read_text(errors="replace"))
-
-    with LocalCluster(spec) as cluster:
-        run_plan(cluster, steps, after_step=holes_then_tail)
-        survivor_log = cluster.primary.log_path.read_text(errors="replace")
-        assert "ranks [2] removed where they were" in survivor_log
-        assert "ranks [2] rejoined: serving on 4 ranks again" in survivor_log
-        assert rejoined and "rank 2 rejoins at the size the survivors serve on: 4 ranks" \
-            in rejoined[0]
-        assert "registered its cohort" not in rejoined[0]
-        events = sse_events(cluster.url)
-        taken_in = [e for e in events if e["type"] == "rank_failed" and e.get("ranks") == [2]
-                    and "relaunch them all" in e.get("reason", "")]
-        assert taken_in, events
+    run_plan(cluster, steps, after=before, from_step=2, after_step=refused_then_shrunk_past,
+             operation_prefix="shrunk-past")
+    events = events_after(cluster.url, last_id)
+    shrink = [e["type"] for e in events if e.get("operation_id") == "shrunk-past-4-shrink"]
+    assert shrink == ["scale_requested", "scale_committed", "safe_to_terminate"], events
+    faults = [e["type"] for e in events
+              if e.get("ranks") == [2] and e.get("operation_id") is None]
+    assert faults and faults[0] == "rank_failed" and "rank_recovered" not in faults, events

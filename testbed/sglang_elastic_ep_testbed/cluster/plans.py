@@ -294,6 +294,9 @@ class PlanRunner:
     on_scale_posted: Callable[[PlanRunner, Step, str, dict], None] | None = None
     kill: KillHow = "server"
     relaunch_order: RelaunchOrder = "lowest_first"
+    # Operation ids are ``{operation_prefix}-{step}-{kind}``: plans chained on one cluster
+    # need prefixes of their own (a reused id is answered with the earlier operation).
+    operation_prefix: str = "plan"
 
     def run(self, from_step: int = 0) -> None:
         for step in self.steps[from_step + 1:]:
@@ -367,7 +370,7 @@ class PlanRunner:
         launch = len(self.steps[0].active)
         prev = self.steps[step.index - 1]
         holes = [r for r in step.ranks if r in prev.holes]
-        refill = f"plan-{step.index}-refill"
+        refill = f"{self.operation_prefix}-{step.index}-refill"
         if holes:  # a scale-up adds the holes first; it commits when their relaunches serve
             size = len(prev.active) + len(prev.failed) + len(holes)
             post_scale(self.cluster.url, size, refill)
@@ -447,10 +450,10 @@ class PlanRunner:
     def _grow(self, step: Step) -> None:
         for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
             self.joiners[rank] = self.cluster.start_joiner("scale", rank_offset=rank)
-            self._scale(step, rank + 1, f"plan-{step.index}-grow-{rank}")
+            self._scale(step, rank + 1, f"{self.operation_prefix}-{step.index}-grow-{rank}")
 
     def _shrink(self, step: Step) -> None:
-        self._scale(step, len(step.active), f"plan-{step.index}-shrink")
+        self._scale(step, len(step.active), f"{self.operation_prefix}-{step.index}-shrink")
         dead = self.steps[step.index - 1].failed  # shrunk past: killed, they exit no more
         for rank in step.ranks:
             server = self._server_of(rank)
@@ -466,7 +469,7 @@ class PlanRunner:
             self.joiners.pop(rank, None)
 
     def _remove(self, step: Step) -> None:
-        operation_id = f"plan-{step.index}-remove"
+        operation_id = f"{self.operation_prefix}-{step.index}-remove"
         live = [r for r in step.ranks if r not in self.steps[step.index - 1].failed]
         httpx.post(self.cluster.url + "/scale_elastic_ep",
                    json={"remove_ranks": list(step.ranks), "operation_id": operation_id},
@@ -581,12 +584,15 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
              on_relaunch: Callable[[PlanRunner, int, ServerProcess], None] | None = None,
              on_scale_posted: Callable[[PlanRunner, Step, str, dict], None] | None = None,
              kill: KillHow = "server",
-             relaunch_order: RelaunchOrder = "lowest_first") -> PlanRunner:
+             relaunch_order: RelaunchOrder = "lowest_first",
+             operation_prefix: str = "plan") -> PlanRunner:
     """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
     runner (its reference outputs, kills and joiners) for further checks.
 
     ``kill``: how a kill step kills (``KillHow``); ``relaunch_order``: in which order a
     recover step relaunches the failed ranks (``RelaunchOrder``).
+
+    ``operation_prefix``: the start of the operation ids of its steps.
 
     ``after``, ``from_step``: go on where an earlier plan on this cluster (its runner) left
     off, which must be the state of ``steps[from_step]`` (checked): the steps after it run,
@@ -596,7 +602,7 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
     load = LoadClient(cluster.url, concurrency=concurrency, max_new_tokens=8).start()
     runner = PlanRunner(cluster, steps, load, after_step, reference, on_relaunch=on_relaunch,
                         on_scale_posted=on_scale_posted, kill=kill,
-                        relaunch_order=relaunch_order)
+                        relaunch_order=relaunch_order, operation_prefix=operation_prefix)
     if after is not None:
         runner.joiners = after.joiners
     try:
