@@ -82,6 +82,28 @@ def test_a_grow_step_calls_back_with_the_answer_before_it_waits(
     assert runner.joiners == {2: "joiner2", 3: "joiner3"}
 
 
+def test_a_chained_plan_posts_operation_ids_with_its_own_prefix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two plans on one cluster both have a step 1 grow: their ids must differ, since the
+    server answers a reused id with the earlier operation."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_ep_testbed.cluster import plans
+
+    steps = steps_of([[0, 1], [0, 1, 2]])
+    posted: list[str] = []
+    monkeypatch.setattr(plans, "post_scale",
+                        lambda url, size, op: posted.append(op) or {"new_ep_size": size})
+    cluster = SimpleNamespace(url="http://127.0.0.1:1", followers={},
+                              start_joiner=lambda mode, rank_offset: f"joiner{rank_offset}")
+    for prefix in ("plan", "second"):
+        runner = plans.PlanRunner(cluster=cluster, steps=steps, load=None,  # type: ignore[arg-type]
+                                  operation_prefix=prefix)
+        runner._wait_succeeded = lambda op, what: None  # type: ignore[method-assign]
+        runner._grow(steps[1])
+    assert posted == ["plan-1-grow-2", "second-1-grow-2"]
+
+
 def test_two_ranks_killed_at_once_and_a_stay_step_keeps_them_failed() -> None:
     assert kinds([[0, 1, 2], [0, -1, -2], [0], [0, 1, 2]])[1:] == [
         ("kill", [1, 2], [0], [1, 2]),
