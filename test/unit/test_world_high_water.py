@@ -97,6 +97,22 @@ def test_the_hook_raises_a_joiner_to_the_high_water_and_keeps_it(
     assert read_world_high_water(store) == 4
 
 
+def test_a_joiner_at_the_high_water_moves_no_key_after_it_registered(
+        monkeypatch: pytest.MonkeyPatch, store: TCPStore) -> None:
+    """The raise is skipped, not merely harmless: a store that stops answering after the
+    registration cannot fail a replacement that registered at the high water."""
+    from sglang_elastic_ep.sglang import world_registration
+
+    raise_world_high_water(store, 4)
+    moved: list[int] = []
+    monkeypatch.setattr(world_registration, "raise_world_high_water",
+                        lambda store, size: moved.append(size))
+    assert _register(monkeypatch, store, joiner=True, asked=2) == 4
+    assert moved == []
+    assert _register(monkeypatch, store, joiner=True, asked=5) == 5  # beyond it: moved
+    assert moved == [5]
+
+
 def test_the_hook_leaves_launch_ranks_alone(monkeypatch: pytest.MonkeyPatch, store: TCPStore
                                             ) -> None:
     raise_world_high_water(store, 4)

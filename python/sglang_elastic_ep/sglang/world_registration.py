@@ -150,7 +150,10 @@ def init_distributed_environment(original: Callable[..., Any], *args: Any, **kwa
                 "" if kwargs["world_size"] == asked
                 else " (Mooncake only attaches to the same rank order)")
     result = original(*args, **kwargs)
-    raise_world_high_water(store, int(kwargs["world_size"]))
+    if high_water is None or kwargs["world_size"] > high_water:
+        # Only a WORLD larger than any before moves the key: a registration at the high water
+        # (every replacement after a scale) makes no store call that could fail it.
+        raise_world_high_water(store, int(kwargs["world_size"]))
     return result
 
 
