@@ -35,7 +35,7 @@ import httpx
 import pytest
 
 from sglang_elastic_ep_testbed.cluster import LocalCluster
-from sglang_elastic_ep_testbed.cluster.observe import sse_events
+from sglang_elastic_ep_testbed.cluster.observe import log_since, sse_events
 from sglang_elastic_ep_testbed.cluster.plans import (
     PlanRunner,
     Step,
@@ -58,19 +58,6 @@ def events_after(url: str, last_id: int) -> list[dict]:
 
 def last_event_id(url: str) -> int:
     return max((e["event_id"] for e in sse_events(url)), default=0)
-
-
-class LogSince:
-    """The text a server's log gained since this was made (a chained plan's own lines)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = path.stat().st_size
-
-    def text(self) -> str:
-        with self.path.open("rb") as log:
-            log.seek(self.offset)
-            return log.read().decode(errors="replace")
 
 
 @pytest.mark.timeout(5400)
@@ -116,7 +103,7 @@ def removed_where_it_is_and_refilled(cluster: LocalCluster, steps: list[Step],
     """Rank 2 removed live (its shard drains, its server exits 0) and refilled by its
     relaunch, which rejoins in place; then killed, removed failed, and rank 3 killed too: the
     hole joins the failed tail, and the tail's relaunches bring the cluster back to four."""
-    survivor_log = LogSince(cluster.primary.log_path)
+    survivor_log_size = cluster.primary.log_path.stat().st_size
     last_id = last_event_id(cluster.url)
     rejoined: list[str] = []
 
@@ -135,7 +122,7 @@ def removed_where_it_is_and_refilled(cluster: LocalCluster, steps: list[Step],
 
     runner = run_plan(cluster, steps, after=before, from_step=2, after_step=holes_then_tail,
                       operation_prefix="removal")
-    text = survivor_log.text()
+    text = log_since(cluster.primary.log_path, survivor_log_size)
     assert "ranks [2] removed where they were" in text
     assert "ranks [2] rejoined: serving on 4 ranks again" in text
     assert rejoined and "rank 2 rejoins at the size the survivors serve on: 4 ranks" \
