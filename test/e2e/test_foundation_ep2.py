@@ -25,6 +25,7 @@ from sglang_elastic_ep_testbed.cluster.launcher import ServerProcess
 from sglang_elastic_ep_testbed.cluster.load import DEFAULT_PROMPTS, generate
 from sglang_elastic_ep_testbed.cluster.procs import kill_tree, off_loopback_sockets
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
+from sglang_elastic_ep_testbed.cluster.zygote import ENV_SERVER_START
 from sglang_elastic_ep_testbed.cpu.child_start import CHILD_START_LINE, ENV_CHILD_START
 
 MAX_NEW_TOKENS = 16
@@ -88,6 +89,8 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path,
     # As on a GPU: the servers' children spawn, each loading the plugins through their entry
     # points (every other scenario forks them, for a shorter start-up).
     monkeypatch.setenv(ENV_CHILD_START, "spawn")
+    # And the servers are exec'd, as users start them (the suite forks them from a zygote).
+    monkeypatch.setenv(ENV_SERVER_START, "exec")
     with LocalCluster(ClusterSpec(tiny_model, ep_size=1, elastic=False)) as one:
         reference, _ = greedy_outputs(one.url)
         reference_chat = chat(one.url)
@@ -110,6 +113,8 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path,
         assert len(ServerProcess.scheduler_pids_of(state.servers[0].pid)) == 2
         server_log = Path(state.servers[0].log).read_text(errors="replace")
         assert f"{CHILD_START_LINE} spawn" in server_log
+        assert all(psutil.Process(s.pid).ppid() == up.pid for s in state.servers), \
+            "`testbed up` execs its servers: their parent is `up` itself"
         nixl_outputs, nixl_shards = greedy_outputs(state.url)
         nixl_chat = chat(state.url)
         check_contract_rejects_bad_input(state.url, max_size=4)

@@ -235,11 +235,13 @@ def test_grow_recover_the_joiner_and_shrink_with_eplb_and_a_late_rank(tiny_model
     the serving shards, the lost requests and the outputs at each step), rank 1 seeing each
     membership change 3 passes late (injected skew).
 
-    2 -> 3 under load: rank 0 keeps serving until rank 1 catches up, then both admit the joiner
-    on the same pass. Then the joiner (rank 2, which joined by scale-up: upstream answers
-    ``recovery_unsupported``) is killed with SIGKILL under load and relaunched with
-    ``--ep-join-mode recover``: the survivors let go of its slot and re-admit the replacement,
-    again held back by the late rank; back at 3 ranks, shard 2 serves again. Then 3 -> 2.
+    2 -> 3 under load, the POST before the joiner starts (a second scale request meanwhile is
+    refused, and the operation cannot end before the joiner is up): rank 0 keeps serving until
+    rank 1 catches up, then both admit the joiner on the same pass. Then the joiner (rank 2,
+    which joined by scale-up: upstream answers ``recovery_unsupported``) is killed with
+    SIGKILL under load and relaunched with ``--ep-join-mode recover``: the survivors let go of
+    its slot and re-admit the replacement, again held back by the late rank; back at 3 ranks,
+    shard 2 serves again. Then 3 -> 2.
     EPLB rebalances at each size on the way (module docstring)."""
     steps = load_plan(PLAN)
     seen: list[int] = []  # EPLB rebalances listed before the step that changes the size
@@ -278,7 +280,7 @@ def test_grow_recover_the_joiner_and_shrink_with_eplb_and_a_late_rank(tiny_model
         seen.append(rebalances(url))
         runner = run_plan(cluster, steps, concurrency=LOAD_CLIENTS,
                           after_step=rebalanced_at_each_size,
-                          on_scale_posted=conflicts_while_growing)
+                          on_scale_posted=conflicts_while_growing, grow_order="post_first")
 
         assert greedy_reference(url) == runner.reference
         sizes = read_status(url)["eplb_rebalances"]

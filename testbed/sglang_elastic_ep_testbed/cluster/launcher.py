@@ -26,10 +26,12 @@ from sglang_elastic_ep_testbed.cluster.procs import (
     free_port_run,
     kill_tree,
     process_tree,
+    processes_in_sessions,
     processes_tagged,
     stop_tree,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
+from sglang_elastic_ep_testbed.cluster.zygote import ForkedServer, ZygoteHolder, server_start_method
 from sglang_elastic_ep_testbed.cpu.shared_host import ENV_SHARED_HOST_NODE
 from sglang_elastic_ep_testbed.cpu.start_up_share import favour_start_up
 
@@ -200,13 +202,20 @@ class ServerProcess:
         # titles SGLang sets).
         self.env = env
         self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "sglang.launch_server", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # pgid == pid: the cluster signals the group by the pid
-        )
+        # Both start the server in a session of its own: pgid == pid, the cluster signals the
+        # group by the pid.
+        self.popen: subprocess.Popen | ForkedServer
+        if server_start_method() == "fork":
+            zygote = _ZYGOTE.get({**os.environ, **CPU_ENV}, log_dir / f"zygote-{os.getpid()}.log")
+            self.popen = zygote.fork(args, env, self.log_path)
+        else:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "sglang.launch_server", *args],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         self.pid = self.popen.pid
         favour_start_up(self.pid)
         self.killed = False  # SIGKILLed by the scenario (LocalCluster.kill_server)
@@ -328,6 +337,8 @@ class ServerProcess:
 
 
 _LIVE: set[ServerProcess] = set()
+# The process forked servers come from (SGLANG_EEP_SERVER_START=fork), one per test process.
+_ZYGOTE = ZygoteHolder()
 
 
 @atexit.register
@@ -337,6 +348,7 @@ def _kill_leftovers() -> None:
             server.stop(grace_s=3.0)
         except Exception:  # best effort at interpreter exit
             pass
+    _ZYGOTE.close()  # after the servers: it reports their exits
 
 
 class LocalCluster:
@@ -349,6 +361,7 @@ class LocalCluster:
         self.primary: ServerProcess | None = None
         self.followers: dict[int, ServerProcess] = {}  # node rank -> server (nodes > 1)
         self.joiners: list[ServerProcess] = []
+        self._sessions: set[int] = set()  # of every server started: see _kill_stragglers
         self._new_identity()
 
     @classmethod
@@ -361,6 +374,7 @@ class LocalCluster:
         cluster.primary = None
         cluster.followers = {}
         cluster.joiners = []
+        cluster._sessions = set()
         cluster.dist_port = dist_port
         cluster.env = dict(env)
         cluster._taken = set(taken_ports)
@@ -421,10 +435,10 @@ class LocalCluster:
         if self.spec.nodes > 1:
             args += ["--nnodes", str(self.spec.nodes), "--node-rank", "0"]
         ranks_per_node = self.spec.ep_size // self.spec.nodes
-        self.primary = ServerProcess(
+        self.primary = self._track(ServerProcess(
             f"primary-ep{self.spec.ep_size}", args, port, self.spec.log_dir, ranks_per_node,
             self.env,
-        )
+        ))
         for node in range(1, self.spec.nodes):
             self.start_node(node)
         if wait:
@@ -448,11 +462,15 @@ class LocalCluster:
             args += ["--ep-join-mode", "recover"]
         name = f"node{node}-{'recover' if recover else 'launch'}"
         per_node = self.spec.ep_size // self.spec.nodes
-        server = ServerProcess(
+        server = self._track(ServerProcess(
             name, args, port, self.spec.log_dir, per_node,
             {**self.env, ENV_SHARED_HOST_NODE: "1"}, first_rank=node * per_node,
-        )
+        ))
         self.followers[node] = server
+        return server
+
+    def _track(self, server: ServerProcess) -> ServerProcess:
+        self._sessions.add(server.pid)
         return server
 
     def kill_node(self, node: int) -> int:
@@ -500,10 +518,10 @@ class LocalCluster:
             raise ValueError(f"join mode must be 'scale' or 'recover', got {mode!r}")
         port = self._take_port(derived_offset=JOINER_PORT_DELTA)
         args = self.joiner_args(mode, str(rank_offset), str(size), str(port))
-        joiner = ServerProcess(
+        joiner = self._track(ServerProcess(
             f"joiner-{mode}-r{rank_offset}", args, port, self.spec.log_dir, size,
             {**self.env, **(env or {})}, first_rank=rank_offset,
-        )
+        ))
         self.joiners.append(joiner)
         return joiner
 
@@ -551,8 +569,13 @@ class LocalCluster:
     def _kill_stragglers(self) -> None:
         """Kill (by pid) any process of this cluster that outlived its server's tree, so the
         next cluster never starts beside a leftover eating the two cores; said loudly, since
-        it is a teardown bug worth fixing."""
-        for proc in processes_tagged(CLUSTER_TAG_ENV, self.env[CLUSTER_TAG_ENV]):
+        it is a teardown bug worth fixing.
+
+        Found by the tag in their environment, and by session (each server leads one): a
+        forked server's environment in /proc is its zygote's."""
+        tagged = processes_tagged(CLUSTER_TAG_ENV, self.env[CLUSTER_TAG_ENV])
+        found = {p.pid: p for p in [*tagged, *processes_in_sessions(self._sessions)]}
+        for proc in found.values():
             try:
                 title = " ".join(proc.cmdline())[:120]
             except psutil.Error:

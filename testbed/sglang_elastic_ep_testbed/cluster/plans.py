@@ -91,6 +91,9 @@ KillHow = Literal["server", "scheduler", "hang_first"]
 # each started once the one before waits for the survivors (its start-up done), so the
 # survivors must hold the higher ones back until the lower ones are in.
 RelaunchOrder = Literal["lowest_first", "highest_first"]
+# When a grow step starts each joiner: before its POST (as most operators do), or after it
+# (the operation then waits for the joiner, so ``on_scale_posted`` surely finds it running).
+GrowOrder = Literal["joiner_first", "post_first"]
 # How often a recover step relaunches a replacement that crashed before it served.
 CRASH_RELAUNCHES = 1
 # What a replacement logs once its start-up is done and it waits for the survivors: a let-go
@@ -294,6 +297,7 @@ class PlanRunner:
     on_scale_posted: Callable[[PlanRunner, Step, str, dict], None] | None = None
     kill: KillHow = "server"
     relaunch_order: RelaunchOrder = "lowest_first"
+    grow_order: GrowOrder = "joiner_first"
     # Operation ids are ``{operation_prefix}-{step}-{kind}``: plans chained on one cluster
     # need prefixes of their own (a reused id is answered with the earlier operation).
     operation_prefix: str = "plan"
@@ -449,8 +453,16 @@ class PlanRunner:
 
     def _grow(self, step: Step) -> None:
         for rank in step.ranks:  # one joiner at a time (docs/cpu-testbed.md)
-            self.joiners[rank] = self.cluster.start_joiner("scale", rank_offset=rank)
-            self._scale(step, rank + 1, f"{self.operation_prefix}-{step.index}-grow-{rank}")
+            operation_id = f"{self.operation_prefix}-{step.index}-grow-{rank}"
+            if self.grow_order == "post_first":
+                self._scale(step, rank + 1, operation_id,
+                            before_wait=lambda rank=rank: self._start_scale_joiner(rank))
+            else:
+                self._start_scale_joiner(rank)
+                self._scale(step, rank + 1, operation_id)
+
+    def _start_scale_joiner(self, rank: int) -> None:
+        self.joiners[rank] = self.cluster.start_joiner("scale", rank_offset=rank)
 
     def _shrink(self, step: Step) -> None:
         self._scale(step, len(step.active), f"{self.operation_prefix}-{step.index}-shrink")
@@ -485,10 +497,13 @@ class PlanRunner:
     def _stay(self, step: Step) -> None:
         pass
 
-    def _scale(self, step: Step, size: int, operation_id: str) -> None:
+    def _scale(self, step: Step, size: int, operation_id: str,
+               before_wait: Callable[[], None] | None = None) -> None:
         answer = post_scale(self.cluster.url, size, operation_id)
         if self.on_scale_posted is not None:
             self.on_scale_posted(self, step, operation_id, answer)
+        if before_wait is not None:
+            before_wait()
         self._wait_succeeded(operation_id, f"scale to {size} ({operation_id})")
 
     def _wait_succeeded(self, operation_id: str, what: str) -> None:
@@ -585,12 +600,14 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
              on_scale_posted: Callable[[PlanRunner, Step, str, dict], None] | None = None,
              kill: KillHow = "server",
              relaunch_order: RelaunchOrder = "lowest_first",
+             grow_order: GrowOrder = "joiner_first",
              operation_prefix: str = "plan") -> PlanRunner:
     """Run ``steps`` on the started ``cluster`` under a greedy load and check everything; the
     runner (its reference outputs, kills and joiners) for further checks.
 
     ``kill``: how a kill step kills (``KillHow``); ``relaunch_order``: in which order a
-    recover step relaunches the failed ranks (``RelaunchOrder``).
+    recover step relaunches the failed ranks (``RelaunchOrder``); ``grow_order``: whether a
+    grow step starts each joiner before or after its POST (``GrowOrder``).
 
     ``operation_prefix``: the start of the operation ids of its steps.
 
@@ -602,7 +619,8 @@ def run_plan(cluster: LocalCluster, steps: Sequence[Step], *, concurrency: int =
     load = LoadClient(cluster.url, concurrency=concurrency, max_new_tokens=8).start()
     runner = PlanRunner(cluster, steps, load, after_step, reference, on_relaunch=on_relaunch,
                         on_scale_posted=on_scale_posted, kill=kill,
-                        relaunch_order=relaunch_order, operation_prefix=operation_prefix)
+                        relaunch_order=relaunch_order, grow_order=grow_order,
+                        operation_prefix=operation_prefix)
     if after is not None:
         runner.joiners = after.joiners
     try:

@@ -123,6 +123,19 @@ def processes_tagged(name: str, value: str) -> list[psutil.Process]:
     return found
 
 
+def processes_in_sessions(sessions: set[int]) -> list[psutil.Process]:
+    """Live processes in one of ``sessions`` (session ids: the pids of the servers that lead
+    them), wherever they were reparented to."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) in sessions and not _is_zombie(proc):
+                found.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return found
+
+
 def _is_zombie(proc: psutil.Process) -> bool:
     try:
         return proc.status() == psutil.STATUS_ZOMBIE
