@@ -11,9 +11,11 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from sglang_elastic_ep_testbed.cluster.procs import kill_tree, processes_in_sessions
+from sglang_elastic_ep_testbed.cluster.waits import wait_until
 from sglang_elastic_ep_testbed.cluster.zygote import (
     ENV_SERVER_START,
     ForkedServer,
@@ -30,6 +32,12 @@ PROBE = textwrap.dedent("""
         sys.exit(int(sys.argv[2]))
     if mode == "raise":
         raise RuntimeError("the probe failed")
+    if mode == "titled-child":  # as SGLang's schedulers name themselves
+        import setproctitle
+        if os.fork() == 0:
+            setproctitle.setproctitle("probe::child_EP1")
+            time.sleep(600)
+        time.sleep(600)
     if mode == "leave-a-child":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print("child", child.pid, flush=True)
@@ -76,6 +84,25 @@ def test_a_killed_server_reads_as_popen_reads_a_signal_and_a_failed_one_exits_1(
     assert sleeper.wait(timeout=60) == -signal.SIGKILL
     assert failing.wait(timeout=60) == 1
     assert "RuntimeError: the probe failed" in (tmp_path / "raise.log").read_text()
+
+
+def title(proc: psutil.Process) -> str:
+    return " ".join(proc.cmdline()).strip()  # a title shorter than its area ends in padding
+
+
+def test_a_forked_server_and_its_children_show_their_own_titles(
+        zygote: Zygote, tmp_path: Path) -> None:
+    """The titles ``ps`` shows: the testbed finds each scheduler by the one SGLang sets."""
+    server = fork(zygote, tmp_path, "titled-child")
+    try:
+        me = psutil.Process(server.pid)
+        titles = wait_until(lambda: [title(c) for c in me.children()] or None, 30,
+                            "the probe's child")
+        assert title(me) == "python -m zygote_probe titled-child"
+        assert titles == ["probe::child_EP1"]
+    finally:
+        kill_tree(server.pid, hard=True)
+    assert server.wait(timeout=60) < 0
 
 
 def test_what_a_forked_server_leaves_behind_is_found_by_its_session(

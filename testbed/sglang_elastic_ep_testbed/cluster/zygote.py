@@ -204,6 +204,7 @@ def serve_forks(module: str, imports: Sequence[str]) -> None:
     os.dup2(2, 1)  # what imports print goes to the zygote's log, not into the replies
     for name in imports:
         __import__(name)
+    _set_title(f"sglang-eep zygote for {module}")
     # What each server runs as __main__ runs from its source, as ``python -m`` runs it, not
     # found already imported (its imports stay imported).
     sys.modules.pop(module, None)
@@ -280,12 +281,7 @@ def _run_server(module: str, request: dict) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [module, *request["args"]]
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(" ".join(["python", "-m", *sys.argv]))
-    except ImportError:
-        pass
+    _set_title(" ".join(["python", "-m", *sys.argv]))
     import runpy
 
     code = 0
@@ -304,6 +300,18 @@ def _run_server(module: str, request: dict) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     return code
+
+
+def _set_title(title: str) -> None:
+    """The process title ``ps`` and ``/proc/PID/cmdline`` show (the testbed finds schedulers by
+    theirs). ``setproctitle`` finds the memory it writes to through the environment on its
+    first call: the zygote makes that call before a server replaces its environment, and the
+    servers and their children inherit what it found."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
 
 
 def _exit_status(code: object) -> int:
