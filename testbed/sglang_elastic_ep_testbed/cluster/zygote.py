@@ -43,6 +43,8 @@ from typing import IO
 
 import psutil
 
+from sglang_elastic_ep_testbed.cpu.settings import env_choice
+
 ENV_SERVER_START = "SGLANG_EEP_SERVER_START"
 SERVER_START_METHODS = ("exec", "fork")
 DEFAULT_SERVER_START = "exec"
@@ -56,11 +58,7 @@ _REAP_EVERY_S = 0.1
 
 
 def server_start_method() -> str:
-    method = os.environ.get(ENV_SERVER_START, DEFAULT_SERVER_START)
-    if method not in SERVER_START_METHODS:
-        raise ValueError(f"{ENV_SERVER_START} must be one of {', '.join(SERVER_START_METHODS)}, "
-                         f"got {method!r}")
-    return method
+    return env_choice(ENV_SERVER_START, SERVER_START_METHODS, DEFAULT_SERVER_START)
 
 
 class ZygoteError(RuntimeError):

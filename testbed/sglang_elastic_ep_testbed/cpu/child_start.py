@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 from typing import Any
+
+from sglang_elastic_ep_testbed.cpu.settings import env_choice
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +29,7 @@ CHILD_START_LINE = "this server's child processes start with"
 
 
 def child_start_method() -> str:
-    method = os.environ.get(ENV_CHILD_START, DEFAULT_CHILD_START)
-    if method not in CHILD_START_METHODS:
-        raise ValueError(f"{ENV_CHILD_START} must be one of {', '.join(CHILD_START_METHODS)}, "
-                         f"got {method!r}")
-    return method
+    return env_choice(ENV_CHILD_START, CHILD_START_METHODS, DEFAULT_CHILD_START)
 
 
 def fork_children(result: Any, *args: Any, **kwargs: Any) -> Any:
