@@ -60,9 +60,11 @@ def test_a_shrink_past_a_dead_joiner_waits_for_the_live_ones_to_exit_only() -> N
     assert scaled == [(2, "plan-4-shrink")] and waited == ["joiner3"] and runner.joiners == {}
 
 
+@pytest.mark.parametrize("grow_order", ["joiner_first", "post_first"])
 def test_a_grow_step_calls_back_with_the_answer_before_it_waits(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``on_scale_posted`` sees each grow's answer while its operation runs, then the wait."""
+        monkeypatch: pytest.MonkeyPatch, grow_order: str) -> None:
+    """``on_scale_posted`` sees each grow's answer while its operation runs, then the wait;
+    each joiner starts before its POST, or after the callback when the POST comes first."""
     from types import SimpleNamespace
 
     from sglang_elastic_ep_testbed.cluster import plans
@@ -70,15 +72,25 @@ def test_a_grow_step_calls_back_with_the_answer_before_it_waits(
     steps = steps_of([[0, 1], [0, 1, 2, 3]])
     calls: list[tuple] = []
     monkeypatch.setattr(plans, "post_scale", lambda url, size, op: {"new_ep_size": size})
-    cluster = SimpleNamespace(url="http://127.0.0.1:1", followers={},
-                              start_joiner=lambda mode, rank_offset: f"joiner{rank_offset}")
+
+    def start_joiner(mode: str, rank_offset: int) -> str:
+        calls.append(("started", rank_offset))
+        return f"joiner{rank_offset}"
+
+    cluster = SimpleNamespace(url="http://127.0.0.1:1", followers={}, start_joiner=start_joiner)
     runner = plans.PlanRunner(
         cluster=cluster, steps=steps, load=None,  # type: ignore[arg-type]
-        on_scale_posted=lambda r, step, op, answer: calls.append((step.index, op, answer)))
+        on_scale_posted=lambda r, step, op, answer: calls.append((step.index, op, answer)),
+        grow_order=grow_order)  # type: ignore[arg-type]
     runner._wait_succeeded = lambda op, what: calls.append(("waited", op))  # type: ignore[method-assign]
     runner._grow(steps[1])
-    assert calls == [(1, "plan-1-grow-2", {"new_ep_size": 3}), ("waited", "plan-1-grow-2"),
-                     (1, "plan-1-grow-3", {"new_ep_size": 4}), ("waited", "plan-1-grow-3")]
+    posted = [[(1, f"plan-1-grow-{rank}", {"new_ep_size": rank + 1})] for rank in (2, 3)]
+    started = [[("started", rank)] for rank in (2, 3)]
+    waited = [[("waited", f"plan-1-grow-{rank}")] for rank in (2, 3)]
+    order = ((started, posted, waited) if grow_order == "joiner_first"
+             else (posted, started, waited))
+    expected = [call for i in (0, 1) for part in order for call in part[i]]
+    assert calls == expected
     assert runner.joiners == {2: "joiner2", 3: "joiner3"}
 
 

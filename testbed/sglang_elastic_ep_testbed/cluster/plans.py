@@ -91,7 +91,7 @@ KillHow = Literal["server", "scheduler", "hang_first"]
 # each started once the one before waits for the survivors (its start-up done), so the
 # survivors must hold the higher ones back until the lower ones are in.
 RelaunchOrder = Literal["lowest_first", "highest_first"]
-# When a grow step starts each joiner: before its POST (as most operators do), or after it
+# When a grow step starts each joiner: before its POST (the default), or after it
 # (the operation then waits for the joiner, so ``on_scale_posted`` surely finds it running).
 GrowOrder = Literal["joiner_first", "post_first"]
 # How often a recover step relaunches a replacement that crashed before it served.
