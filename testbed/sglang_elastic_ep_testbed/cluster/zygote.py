@@ -18,7 +18,12 @@ What differs from an exec'd server, and how the testbed makes up for it:
   found by session (each server leads its own);
 - whatever a module reads from the environment at import time is the zygote's: the zygote
   starts with the testbed's CPU settings, and the settings that differ per server are read
-  when the server runs.
+  when the server runs;
+- the plugins load after these imports, not before them: SGLang's hook registry also patches
+  the copies other modules imported of a hooked name (it walks ``sys.modules``), so the hooks
+  apply alike;
+- ``setproctitle`` finds the memory it writes the title to through the environment on its
+  first call: the zygote makes that call, before a server replaces its environment.
 
 ``SGLANG_EEP_SERVER_START=fork`` starts a testbed server this way (the e2e suite sets it);
 ``exec`` (the default) runs ``python -m sglang.launch_server``, as the demo, the benchmarks and
@@ -50,7 +55,7 @@ SERVER_START_METHODS = ("exec", "fork")
 DEFAULT_SERVER_START = "exec"
 SERVER_MODULE = "sglang.launch_server"
 # What ``sglang.launch_server`` imports when it runs: the HTTP server pulls in the engine,
-# the scheduler and the model code.
+# the scheduler and the model modules it names.
 SERVER_IMPORTS = ("sglang.launch_server", "sglang.srt.entrypoints.http_server")
 # The exit status of a server whose zygote died before it could report one.
 LOST_EXIT_STATUS = -255
