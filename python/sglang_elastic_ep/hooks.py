@@ -197,7 +197,8 @@ HOOKS: tuple[Hook, ...] = (
          "after a scale; one all-reduce over WORLD also tells a replacement the serving size"),
     Hook(f"{EEP}._try_recover_world", "sglang.world_view:admit_then_wait_for_view", "AROUND",
          "the members meet before the admission (a slow member's flag clear would wipe the "
-         "first flag of the broadcast after it) and each waits for the new view after it"),
+         "first flag of the broadcast after it) and each waits for the new view after it, "
+         "which also tells whether a rank's own failed proposal was made by the others"),
     Hook(f"{EEP}._wait_for_peer_state", "sglang.world_view:wait_for_group_peers", "AROUND",
          "upstream waits forever for a replacement to register in each launch-time group; "
          "one killed as it is taken back never does, and the survivors would stop serving"),

@@ -13,6 +13,7 @@ import pytest
 from sglang_elastic_ep.sglang.world_view import (
     ReplacementGone,
     WorldQuiesce,
+    propose_then_wait_for_view,
     queue_ready_unless_gone,
     quiesce_key,
     store_barrier,
@@ -61,6 +62,42 @@ def test_the_wait_ends_once_an_admitted_rank_is_gone() -> None:
                                  sleep=clock.sleep, gone=lambda: next(offline))
     assert waited is None
     assert clock.now == 1.0  # two polls, not the 60 s timeout
+
+
+PROPOSAL_TIMEOUT = ("mooncakePgCommActivateRanks failed: RPC error: "
+                    "mooncake::CoordinatorRpcService::proposeViewUpdate RPC failed: time out")
+
+
+def test_an_admission_waits_for_the_view_after_the_proposal() -> None:
+    calls: list[str] = []
+    admitted = propose_then_wait_for_view(lambda: calls.append("propose") or True,
+                                          lambda: calls.append("view") or 0.5, [2])
+    assert admitted == (True, 0.5) and calls == ["propose", "view"]
+
+
+def test_ranks_not_registered_yet_are_not_admitted_and_no_view_is_awaited() -> None:
+    def view() -> float:
+        raise AssertionError("no view to wait for")
+
+    assert propose_then_wait_for_view(lambda: False, view, [2]) == (False, None)
+
+
+def test_a_failed_own_proposal_goes_on_when_the_view_shows_the_admission(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The others' proposals made the change: this rank is in their view."""
+    def propose() -> bool:
+        raise RuntimeError(PROPOSAL_TIMEOUT)
+
+    assert propose_then_wait_for_view(propose, lambda: 0.0, [2]) == (True, 0.0)
+    assert "view shows them admitted" in caplog.text and "time out" in caplog.text
+
+
+def test_a_failed_own_proposal_raises_when_the_view_lacks_the_admission() -> None:
+    def propose() -> bool:
+        raise RuntimeError(PROPOSAL_TIMEOUT)
+
+    with pytest.raises(RuntimeError, match="proposeViewUpdate RPC failed"):
+        propose_then_wait_for_view(propose, lambda: None, [2])
 
 
 def test_a_rank_beyond_the_view_is_not_active() -> None:

@@ -175,19 +175,47 @@ def wait_for_local_view(
         sleep(poll_s)
 
 
+def propose_then_wait_for_view(propose: Callable[[], bool],
+                               view_waited: Callable[[], float | None],
+                               ranks: Sequence[int]) -> tuple[bool, float | None]:
+    """This rank's proposal to admit ``ranks`` (``propose``: False when they are not all
+    registered yet), then the wait for the view that shows them (``view_waited``, as
+    :func:`wait_for_local_view` answers): whether they were admitted, and the wait.
+
+    Every rank of the agreed pass proposes the same admission and Mooncake applies it once; a
+    rank's own proposal can fail (the coordinator's RPC times out while it handles the
+    others'). Its error is raised only when the view does not show the admission either: when
+    it does, this rank is in the same view as the others and goes on with them."""
+    try:
+        if not propose():
+            return False, None
+    except RuntimeError as exc:
+        waited = view_waited()
+        if waited is None:
+            raise
+        logger.warning("[elastic-ep] this rank's own Mooncake proposal to admit ranks %s "
+                       "failed (%s), but the view shows them admitted: going on with the "
+                       "others", list(ranks), exc)
+        return True, waited
+    return True, view_waited()
+
+
 def admit_then_wait_for_view(original: Callable[[list[int]], bool], global_ranks: list[int]
                              ) -> bool:
     """AROUND ``elastic_ep._try_recover_world`` (scale-up admission and rank recovery)."""
     state = elastic_state()
     if state is not None:
         world_quiesce(state).before_view_change("admit", global_ranks)
-    if not original(global_ranks):
-        return False
     from mooncake.pg import get_active_ranks, get_current_epoch
 
     world = dist.group.WORLD
-    waited = wait_for_local_view(lambda: get_active_ranks(world).tolist(), global_ranks,
-                                 gone=lambda: not all(world_members_alive(global_ranks)))
+    admitted, waited = propose_then_wait_for_view(
+        lambda: original(global_ranks),
+        lambda: wait_for_local_view(lambda: get_active_ranks(world).tolist(), global_ranks,
+                                    gone=lambda: not all(world_members_alive(global_ranks))),
+        global_ranks)
+    if not admitted:
+        return False
     epoch = get_current_epoch(world)
     if waited is None:
         # Going on risks the hang this hook exists for; failing would strand the joiners. Say
