@@ -19,20 +19,23 @@ from sglang_elastic_ep_testbed.cpu.start_up_share import (
 from sglang_elastic_ep_testbed.hooks import HOOKS
 
 # A child in a session of its own that waits for a line on stdin, then calls the hook as a
-# scheduler entering its event loop does, prints its session's nice, and waits again.
+# scheduler entering its event loop (or its wait for the serving ranks) does, prints its
+# session's nice, and waits again.
 CHILD = """
 import sys
-from sglang_elastic_ep_testbed.cpu.start_up_share import serve_at_normal_share, session_nice
+from sglang_elastic_ep_testbed.cpu.start_up_share import (
+    serve_at_normal_share, session_nice, wait_at_normal_share)
 sys.stdin.readline()
-serve_at_normal_share(object())
+(wait_at_normal_share if sys.argv[1] == "wait" else serve_at_normal_share)(object())
 print(session_nice("self"), flush=True)
 sys.stdin.readline()
 """
 
 
-@pytest.fixture
-def session_child() -> Iterator[subprocess.Popen[str]]:
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
+@pytest.fixture(params=["serve", "wait"])
+def session_child(request: pytest.FixtureRequest) -> Iterator[subprocess.Popen[str]]:
+    """As a scheduler that serves, or one that starts waiting for the serving ranks."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD, request.param], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         yield child
@@ -49,7 +52,7 @@ def autogroups_settable(pid: int) -> bool:
     return True
 
 
-def test_a_started_server_weighs_more_until_its_scheduler_serves(
+def test_a_started_server_weighs_more_until_its_start_up_is_done(
     session_child: subprocess.Popen[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if not autogroups_settable(session_child.pid):
@@ -97,3 +100,16 @@ def test_the_hook_runs_before_the_event_loop() -> None:
     (hook,) = [h for h in HOOKS if h.impl == "cpu.start_up_share:serve_at_normal_share"]
     assert hook.target.endswith("managers.scheduler.Scheduler.run_event_loop")
     assert hook.kind == "BEFORE"
+
+
+def test_a_joiner_and_a_replacement_take_the_normal_share_before_they_wait() -> None:
+    """Both wait in Mooncake's ``join_group`` on WORLD, through upstream's one function."""
+    import inspect
+
+    from sglang.srt.elastic_ep import elastic_ep
+
+    (hook,) = [h for h in HOOKS if h.impl == "cpu.start_up_share:wait_at_normal_share"]
+    assert hook.target == "sglang.srt.elastic_ep.elastic_ep._join_world_group"
+    assert hook.kind == "BEFORE"
+    for waits in (elastic_ep.join_scale_process_group, elastic_ep.join_process_groups):
+        assert "_join_world_group()" in inspect.getsource(waits)

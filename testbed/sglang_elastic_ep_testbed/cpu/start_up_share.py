@@ -8,9 +8,14 @@ small share for its start-up, almost all of it Python importing SGLang in each o
 its own.
 
 So the launcher gives a new server's session a heavier weight (``START_UP_NICE``, Linux's
-autogroup nice), and each of its schedulers sets it back to 0 as it enters its event loop. A
-serving rank must not outweigh its peers: they would wait for it in every DP gather with their
-Mooncake workers spinning (docs/cpu-testbed.md). ``SGLANG_EEP_START_UP_NICE=0`` turns it off.
+autogroup nice), and each of its schedulers sets it back to 0 once its start-up work is done:
+as it enters its event loop, or before, as it starts waiting for the serving ranks (a scale
+joiner for its admission, a replacement for the survivors to take it back). A serving rank
+must not outweigh its peers: they would wait for it in every DP gather with their Mooncake
+workers spinning (docs/cpu-testbed.md). Nor may a waiting one, whose Mooncake worker spins
+while it waits: two replacements waiting at the heavier weight starved a survivor of its
+Mooncake heartbeat (docs/cpu-testbed.md, "Seen once: a survivor starved by two waiting
+replacements"). ``SGLANG_EEP_START_UP_NICE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -69,7 +74,17 @@ def favour_start_up(pid: int) -> bool:
 def serve_at_normal_share(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ``Scheduler.run_event_loop``: start-up is over, this session shares the CPU
     equally again."""
+    _back_to_normal_share("it serves")
+
+
+def wait_at_normal_share(*args: Any, **kwargs: Any) -> None:
+    """BEFORE a joiner's or a replacement's wait for the serving ranks: its start-up work is
+    done, and what it does while it waits must not outweigh them."""
+    _back_to_normal_share("it waits for the serving ranks")
+
+
+def _back_to_normal_share(why: str) -> None:
     nice = session_nice("self")
     if nice is not None and nice != NORMAL_NICE and set_session_nice("self", NORMAL_NICE):
-        logger.info("start-up share: this server's session back from nice %d to %d",
-                    nice, NORMAL_NICE)
+        logger.info("start-up share: this server's session back from nice %d to %d (%s)",
+                    nice, NORMAL_NICE, why)
