@@ -68,7 +68,7 @@ HOOKS: tuple[Hook, ...] = (
     _cpu_hook(f"{S}elastic_ep.elastic_ep._join_world_group",
               "cpu.start_up_share:wait_at_normal_share", "BEFORE",
               "or sooner: a scale joiner waiting for its admission, or a replacement for the "
-              "survivors, spins in Mooncake's join_group"),
+              "survivors, waits in Mooncake's join_group, its start-up work done"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.on_idle", "cpu.idle:idle_pass", "AROUND",
               "Mooncake's spinning worker stays parked during idle housekeeping and the poll"),
     _cpu_hook(f"{S}managers.scheduler.Scheduler.run_batch", "cpu.idle:forward_pass", "AROUND",

@@ -12,10 +12,10 @@ autogroup nice), and each of its schedulers sets it back to 0 once its start-up 
 as it enters its event loop, or before, as it starts waiting for the serving ranks (a scale
 joiner for its admission, a replacement for the survivors to take it back). A serving rank
 must not outweigh its peers: they would wait for it in every DP gather with their Mooncake
-workers spinning (docs/cpu-testbed.md). Nor may a waiting one, whose Mooncake worker spins
-while it waits: two replacements waiting at the heavier weight starved a survivor of its
-Mooncake heartbeat (docs/cpu-testbed.md, "Seen once: a survivor starved by two waiting
-replacements"). ``SGLANG_EEP_START_UP_NICE=0`` turns it off.
+workers spinning (docs/cpu-testbed.md). Nor may a waiting one: a survivor missed its Mooncake
+heartbeat while two replacements waited at the heavier weight (docs/cpu-testbed.md, "Seen
+once: a survivor starved by two waiting replacements"). ``SGLANG_EEP_START_UP_NICE=0`` turns
+it off.
 """
 
 from __future__ import annotations
