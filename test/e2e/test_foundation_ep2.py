@@ -89,7 +89,8 @@ def test_two_rank_ep_server_matches_one_rank(tiny_model: Path, tmp_path: Path,
     # As on a GPU: the servers' children spawn, each loading the plugins through their entry
     # points (every other scenario forks them, for a shorter start-up).
     monkeypatch.setenv(ENV_CHILD_START, "spawn")
-    # And the servers are exec'd, as users start them (the suite forks them from a zygote).
+    # And the servers are exec'd, as users start them (SGLANG_EEP_SERVER_START=fork would
+    # fork them from a zygote).
     monkeypatch.setenv(ENV_SERVER_START, "exec")
     with LocalCluster(ClusterSpec(tiny_model, ep_size=1, elastic=False)) as one:
         reference, _ = greedy_outputs(one.url)

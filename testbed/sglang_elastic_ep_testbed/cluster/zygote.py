@@ -25,9 +25,8 @@ What differs from an exec'd server, and how the testbed makes up for it:
 - ``setproctitle`` finds the memory it writes the title to through the environment on its
   first call: the zygote makes that call, before a server replaces its environment.
 
-``SGLANG_EEP_SERVER_START=fork`` starts a testbed server this way (the e2e suite sets it);
-``exec`` (the default) runs ``python -m sglang.launch_server``, as the demo, the benchmarks and
-one e2e scenario do.
+``SGLANG_EEP_SERVER_START=fork`` starts a testbed server this way; ``exec`` (the default)
+runs ``python -m sglang.launch_server``.
 """
 
 from __future__ import annotations
