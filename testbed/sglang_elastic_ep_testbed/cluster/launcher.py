@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 import psutil
@@ -201,14 +202,15 @@ class ServerProcess:
         # What it was started with (its processes' own /proc environ is overwritten by the
         # titles SGLang sets).
         self.env = env
-        self._log = open(self.log_path, "wb")
         # Both start the server in a session of its own: pgid == pid, the cluster signals the
-        # group by the pid.
+        # group by the pid. A forked server opens its log itself.
+        self._log: IO[bytes] | None = None
         self.popen: subprocess.Popen | ForkedServer
         if server_start_method() == "fork":
             zygote = _ZYGOTE.get({**os.environ, **CPU_ENV}, log_dir / f"zygote-{os.getpid()}.log")
             self.popen = zygote.fork(args, env, self.log_path)
         else:
+            self._log = open(self.log_path, "wb")
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "sglang.launch_server", *args],
                 stdout=self._log,
@@ -332,7 +334,8 @@ class ServerProcess:
     def stop(self, grace_s: float = 10.0) -> None:
         kill_tree(self.pid, grace_s=grace_s)
         self.popen.wait(timeout=10)
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
         _LIVE.discard(self)
 
 
