@@ -22,6 +22,7 @@ from sglang_elastic_ep.sglang import launch_recovery, scale_progress, tail_recov
 from sglang_elastic_ep.sglang.gather_agreement import AgreedRound, gather_agreement
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.upstream import lockstep_agreement_on
+from sglang_elastic_ep.sglang.world_view import world_quiesce
 
 
 def test_agreement_on_any_device_with_room_to_grow() -> None:
@@ -186,6 +187,30 @@ def test_a_committed_scale_up_logs_no_failure(
         step.run(upstream_commits)
     assert "enters the scale-up to 3" in caplog.text
     assert "failed on this rank" not in caplog.text
+
+
+def test_a_rank_whose_upstream_step_skipped_the_admission_says_so(
+    step: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Upstream returned before ``_try_recover_world`` (the cohort not seen, say): the members
+    # armed on the agreed pass were never met.
+    step.agreement.finish(round_of(LockstepVerdict.ENTER))
+    step.agreement.mark_iteration()
+    with caplog.at_level(logging.INFO):
+        step.run()
+    assert "rank 0: upstream's step returned before the admission of the agreed scale-up to " \
+        "3 (phase waiting_for_cohort, pending 3, serving 2)" in caplog.text
+    assert world_quiesce(step.state).take() == ()  # no later change meets these members
+
+
+def test_a_rank_that_proposed_the_admission_says_nothing_more(
+    step: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    step.agreement.finish(round_of(LockstepVerdict.ENTER))
+    step.agreement.mark_iteration()
+    with caplog.at_level(logging.INFO):
+        step.run(lambda: world_quiesce(step.state).take())  # as the admission's barrier does
+    assert "returned before the admission" not in caplog.text
 
 
 @pytest.mark.parametrize(("verdict", "again"), [

@@ -151,13 +151,43 @@ def test_crossing_a_key_again_and_again_keeps_one_done_key() -> None:
     assert store.check(["k/done-5"]) and not store.check(["k/done-4"])
 
 
-def test_a_member_that_never_comes_times_the_others_out_and_leaves_no_count() -> None:
+def test_a_member_that_never_comes_times_the_others_out_and_the_next_crossing_needs_all() -> None:
     store = _real_store()
-    # Two of three members arrive, the third died on the way: both time out and take their
-    # arrivals back, so the next crossing of the key needs all three again.
+    # Two of three members arrive, the third died on the way: both time out. The crossing
+    # they gave up on is passed over, so the next one needs all three again.
     assert _cross(store, "k", 3, 0.2, arriving=2) == [False, False]
-    assert store.add("k", 0) == 0
+    assert _cross(store, "k", 3, 0.2, arriving=2) == [False, False]
     assert _cross(store, "k", 3, 10.0) == [True, True, True]
+
+
+def test_a_member_that_comes_after_the_others_gave_up_gives_up_too() -> None:
+    store = _real_store()
+    assert _cross(store, "k", 2, 0.2, arriving=1) == [False]
+    # The last member arrives once the first gave up: it does not go ahead alone.
+    assert _cross(store, "k", 2, 0.2, arriving=1) == [False]
+    assert _cross(store, "k", 2, 10.0) == [True, True]
+
+
+def test_a_last_member_that_comes_as_the_wait_times_out_is_met() -> None:
+    from torch.distributed import TCPStore
+
+    store = _real_store()
+    waiter = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    last_member: list[bool] = []
+
+    class LastArrivalAtTheTimeout:
+        """The waiter's store, on which the last member arrives as the wait times out."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(waiter, name)
+
+        def wait(self, keys: list[str], timeout: timedelta) -> None:
+            last_member.append(store_barrier(store, "k", 2, 10.0))
+            raise RuntimeError("wait timeout")
+
+    # Both see the crossing met: the last member decided it before the waiter could give up.
+    assert store_barrier(LastArrivalAtTheTimeout(), "k", 2, 0.2) is True
+    assert last_member == [True]
 
 
 def test_the_last_arrival_does_not_wait() -> None:
@@ -188,6 +218,69 @@ def test_armed_members_are_used_by_one_change_only() -> None:
 def test_a_change_without_an_agreed_step_meets_nobody() -> None:
     # No members armed: upstream's own path, so no store is asked (none exists here).
     WorldQuiesce().before_view_change("admit", [2])
+
+
+@pytest.fixture
+def quiesce_store(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A real rendezvous store as ``get_global_tcp_store`` returns it, this process as rank 0,
+    and a short barrier timeout."""
+    import sglang.srt.distributed.utils as distributed_utils
+
+    from sglang_elastic_ep.sglang import world_view
+
+    store = _real_store()
+    monkeypatch.setattr(distributed_utils, "get_global_tcp_store", lambda: store)
+    monkeypatch.setattr(world_view.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(world_view, "QUIESCE_TIMEOUT_S", 0.2)
+    return store
+
+
+def test_an_admission_backs_out_when_a_member_never_comes(quiesce_store: Any) -> None:
+    quiesce = WorldQuiesce()
+    quiesce.arm([0, 1])
+    assert quiesce.before_view_change("admit", [2], back_out=True) is False
+    assert quiesce.take_backed_out() is True
+    assert quiesce.take_backed_out() is False  # told once
+
+
+def test_a_deactivation_goes_ahead_when_a_member_never_comes(quiesce_store: Any) -> None:
+    quiesce = WorldQuiesce()
+    quiesce.arm([0, 1])
+    assert quiesce.before_view_change("release", [1]) is True
+    assert quiesce.take_backed_out() is False
+
+
+def test_a_met_barrier_lets_the_admission_go_ahead(quiesce_store: Any) -> None:
+    from torch.distributed import TCPStore
+
+    other = TCPStore("127.0.0.1", quiesce_store.port, is_master=False,
+                     timeout=timedelta(seconds=10))
+    other.add(quiesce_key("admit", [0, 1], [2]), 1)  # rank 1 arrived first
+    quiesce = WorldQuiesce()
+    quiesce.arm([1, 0])
+    assert quiesce.before_view_change("admit", [2], back_out=True) is True
+    assert quiesce.take_backed_out() is False
+
+
+def test_arming_the_next_step_forgets_an_earlier_back_out(quiesce_store: Any) -> None:
+    quiesce = WorldQuiesce()
+    quiesce.arm([0, 1])
+    quiesce.before_view_change("admit", [2], back_out=True)
+    quiesce.arm([0, 1])
+    assert quiesce.take_backed_out() is False
+
+
+def test_an_admission_that_backed_out_proposes_nothing(
+        quiesce_store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_elastic_ep.sglang import world_view
+
+    state = SimpleNamespace()
+    monkeypatch.setattr(world_view, "elastic_state", lambda: state)
+    world_view.world_quiesce(state).arm([0, 1])
+    proposed: list[list[int]] = []
+    assert world_view.admit_then_wait_for_view(
+        lambda ranks: proposed.append(ranks) or True, [2]) is False
+    assert proposed == []  # upstream's "not yet": a later pass proposes it
 
 
 def test_the_group_wait_ends_when_the_replacement_registers() -> None:

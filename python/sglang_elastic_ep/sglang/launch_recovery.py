@@ -64,7 +64,7 @@ from sglang_elastic_ep.sglang.upstream import (
     state_manager,
 )
 from sglang_elastic_ep.sglang.world_registration import adopt_launch_group_size
-from sglang_elastic_ep.sglang.world_view import world_members_alive
+from sglang_elastic_ep.sglang.world_view import world_members_alive, world_quiesce
 
 logger = get_logger(__name__)
 
@@ -132,6 +132,10 @@ def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
         replacement_notices.withdraw_in_place(_scale_joined(state, ranks))
         logger.info("[elastic-ep] %s %s rejoined: serving on %d ranks again "
                     "(phase %s)", what, list(ranks), state.effective_ep_size, machine.phase.value)
+    elif world_quiesce(state).take_backed_out():  # a member never came: nothing changed
+        machine.rejoin_postponed(time.monotonic())
+        logger.warning("[elastic-ep] %s %s are taken back on a later agreed pass (phase %s)",
+                       what, list(ranks), machine.phase.value)
     else:  # every survivor saw them registered on the agreed pass: Mooncake went back on it
         machine.rejoin_failed(time.monotonic())
         logger.error("[elastic-ep] %s %s left WORLD again before they were taken "

@@ -267,6 +267,7 @@ def _grow(original: Any, runner: Any, state: Any, proposal: Proposal, source: st
         kind = None
     scale_up_machine(state)  # this rank's side of the scale-up, if no proposal built it yet
     original(runner)
+    _say_if_the_admission_was_not_proposed(state, rank, target)
     if settle(state) is Phase.FAILED:
         logger.warning("[elastic-ep] rank %d: the scale-up to %d failed on this rank: %s",
                        rank, target, state.last_error)
@@ -274,3 +275,20 @@ def _grow(original: Any, runner: Any, state: Any, proposal: Proposal, source: st
     joined = [r for r in joining if mirror_of(state).is_active(r)]
     if joined and kind is not None:
         note_join(state, joined, kind, runner.eplb_manager)
+
+
+def _say_if_the_admission_was_not_proposed(state: Any, rank: int, target: int) -> None:
+    """After upstream's step on an agreed scale-up pass: say so when this rank proposed no
+    admission. Either a member never reached the quiesce barrier (``world_view``: every member
+    backs out and the next pass's agreement enters again), or upstream's step returned before
+    the admission on this rank, which the other members then wait for at the barrier."""
+    quiesce = world_quiesce(state)
+    if quiesce.take_backed_out():
+        return  # the barrier's own warning says it
+    if quiesce.take():
+        logger.warning(
+            "[elastic-ep] rank %d: upstream's step returned before the admission of the "
+            "agreed scale-up to %d (phase %s, pending %s, serving %s): the other members wait "
+            "for this rank at the quiesce barrier, then back out", rank, target,
+            getattr(state, "scale_phase", None), state.pending_ep_size,
+            state.effective_ep_size)

@@ -47,7 +47,7 @@ logger = get_logger(__name__)
 VIEW_APPLY_TIMEOUT_S = 60.0
 _POLL_S = 0.01
 # The members act on the same agreed pass, so they arrive within one pass of each other; past
-# this a member is taken to be gone and the change goes ahead without the barrier.
+# this a member is taken to be gone or to have left the step (``WorldQuiesce``).
 QUIESCE_TIMEOUT_S = 20.0
 QUIESCE_KEY_PREFIX = "elastic-ep/quiesce"
 _QUIESCE_ATTR = "_eep_world_quiesce"
@@ -58,7 +58,9 @@ class BarrierStore(Protocol):
 
     def add(self, key: str, amount: int) -> int: ...
 
-    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
 
@@ -67,35 +69,45 @@ class BarrierStore(Protocol):
     def delete_key(self, key: str) -> bool: ...
 
 
+_MET = b"met"
+_GIVEN_UP = b"given-up"
+
+
 def store_barrier(store: BarrierStore, key: str, parties: int, timeout_s: float) -> bool:
     """Wait until ``parties`` callers reached ``key``: True when all did within ``timeout_s``.
 
     A key is crossed again by each later change of the same kind, members and ranks (a shrink
     and regrow cycle repeats them): arrivals are counted, and the n-th arrival belongs to
-    crossing ``ceil(n / parties)``, which its last arrival ends. An arrival that times out takes
-    itself back, so a crossing a member never reached leaves the count where it started.
+    crossing ``ceil(n / parties)``. Each crossing is decided once, by whoever sets its done key
+    first: its last arrival (met) or a waiter that timed out (given up). So every member of a
+    crossing returns the same answer, even when the last one comes just as a waiter gives up.
+    An arrival that finds its crossing already given up (members of an earlier step that left
+    before it came) takes a place in the next crossing.
 
     The store (rank 0's, for the deployment's life) keeps one done key per barrier key: the
-    last arrival of a crossing drops the crossing before's, which every member has left, since
-    each of them arrived at this one."""
+    last arrival of a met crossing drops the crossing before's, which every member has left,
+    since each of them arrived at this one."""
     if parties < 1:
         raise ValueError(f"a barrier needs at least one party, got {parties}")
-    arrived = store.add(key, 1)
-    crossing = (arrived - 1) // parties + 1
-    done_key = f"{key}/done-{crossing}"
-    if arrived == crossing * parties:
-        store.set(done_key, b"1")
-        if crossing > 1:
-            store.delete_key(f"{key}/done-{crossing - 1}")
-        return True
-    try:
-        store.wait([done_key], timedelta(seconds=timeout_s))
-    except Exception:  # TCPStore raises on timeout (DistStoreError, a RuntimeError subclass)
-        if store.check([done_key]):  # the last member came just as the wait ended
+    while True:
+        arrived = store.add(key, 1)
+        crossing = (arrived - 1) // parties + 1
+        done_key = f"{key}/done-{crossing}"
+        last = arrived == crossing * parties
+        if last:
+            decision = store.compare_set(done_key, "", _MET.decode())
+        elif store.check([done_key]):
+            decision = store.get(done_key)
+        else:
+            try:
+                store.wait([done_key], timedelta(seconds=timeout_s))
+            except Exception:  # TCPStore raises on timeout (DistStoreError, a RuntimeError)
+                return store.compare_set(done_key, "", _GIVEN_UP.decode()) == _MET
+            return store.get(done_key) == _MET
+        if decision == _MET:
+            if last and crossing > 1:
+                store.delete_key(f"{key}/done-{crossing - 1}")
             return True
-        store.add(key, -1)
-        return False
-    return True
 
 
 def quiesce_key(change: str, participants: Sequence[int], ranks: Sequence[int]) -> str:
@@ -113,9 +125,12 @@ class WorldQuiesce:
     step (armed on that pass, used once by the change it leads to)."""
 
     participants: tuple[int, ...] = ()
+    # The last change that backed out because a member never came (``take_backed_out``).
+    backed_out: bool = False
 
     def arm(self, participants: Sequence[int]) -> None:
         self.participants = tuple(sorted(participants))
+        self.backed_out = False
 
     def take(self) -> tuple[int, ...]:
         """The participants, once: a change upstream makes without an agreed step (none armed)
@@ -123,18 +138,32 @@ class WorldQuiesce:
         found, self.participants = self.participants, ()
         return found
 
-    def before_view_change(self, change: str, ranks: Sequence[int]) -> None:
-        """Meet the step's other members in the rendezvous store before proposing ``change``."""
+    def take_backed_out(self) -> bool:
+        """Whether the agreed step's change backed out (once)."""
+        found, self.backed_out = self.backed_out, False
+        return found
+
+    def before_view_change(self, change: str, ranks: Sequence[int],
+                           back_out: bool = False) -> bool:
+        """Meet the step's other members in the rendezvous store before proposing ``change``:
+        whether the change goes ahead. A member that does not come within
+        :data:`QUIESCE_TIMEOUT_S` died, or left the agreed step alive (upstream returned
+        before the change on it and it waits in the next pass's gather). The others go ahead
+        without it, or with ``back_out`` (a change that is upstream's "not yet" when not
+        made) propose nothing: going ahead alone in an admission leaves them waiting in the
+        expert-map broadcast for a member that waits in the gather for them, for good, while
+        backing out sends every member to the next pass's gather, whose agreement decides
+        again with whoever is alive."""
         participants = self.take()
         if len(participants) < 2:
-            return
+            return True
         from sglang.srt.distributed.utils import get_global_tcp_store
 
         store = get_global_tcp_store()
         if store is None:
             logger.warning("[elastic-ep] no rendezvous store: %s of %s without the quiesce "
                            "barrier", change, list(ranks))
-            return
+            return True
         key = quiesce_key(change, participants, ranks)
         start = time.monotonic()
         met = store_barrier(store, key, len(participants), QUIESCE_TIMEOUT_S)
@@ -142,10 +171,19 @@ class WorldQuiesce:
         if met:
             logger.info("[elastic-ep] rank %d: members %s quiet before %s of %s (waited %.2f s)",
                         dist.get_rank(), list(participants), change, list(ranks), waited)
-        else:  # a member never came: it failed, and its failure is handled on a later pass
+            return True
+        if back_out:
+            self.backed_out = True
             logger.warning("[elastic-ep] rank %d: not every member of %s reached the quiesce "
-                           "barrier before %s of %s within %.0f s; going ahead",
-                           dist.get_rank(), list(participants), change, list(ranks), waited)
+                           "barrier before %s of %s within %.0f s: this rank proposes "
+                           "nothing on this pass, and the next pass's agreement enters the "
+                           "step again with every live member", dist.get_rank(),
+                           list(participants), change, list(ranks), waited)
+            return False
+        logger.warning("[elastic-ep] rank %d: not every member of %s reached the quiesce "
+                       "barrier before %s of %s within %.0f s; going ahead",
+                       dist.get_rank(), list(participants), change, list(ranks), waited)
+        return True
 
 
 def world_quiesce(state: Any) -> WorldQuiesce:
@@ -204,8 +242,9 @@ def admit_then_wait_for_view(original: Callable[[list[int]], bool], global_ranks
                              ) -> bool:
     """AROUND ``elastic_ep._try_recover_world`` (scale-up admission and rank recovery)."""
     state = elastic_state()
-    if state is not None:
-        world_quiesce(state).before_view_change("admit", global_ranks)
+    if state is not None and not world_quiesce(state).before_view_change(
+            "admit", global_ranks, back_out=True):
+        return False  # upstream's "not yet": nothing changed, a later pass tries again
     from mooncake.pg import get_active_ranks, get_current_epoch
 
     world = dist.group.WORLD

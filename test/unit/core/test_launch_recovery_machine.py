@@ -39,6 +39,19 @@ def test_a_rejoin_mooncake_went_back_on_waits_for_the_next_replacement() -> None
     assert machine.replacements_ready([True]) is True
 
 
+def test_a_rejoin_a_survivor_left_is_entered_again_with_the_same_replacement() -> None:
+    machine = LaunchRecoveryMachine((1,), started_at=0.0)
+    machine.replacements_ready([False])
+    machine.replacements_ready([True])
+    machine.entered(1.0)
+    machine.rejoin_postponed(21.0)  # a survivor never reached the change: none was made
+    assert machine.phase is Phase.SERVING_DEGRADED and not machine.done
+    assert machine.replacements_ready([True]) is True  # no second "gone" needed
+    machine.entered(21.5)
+    machine.rejoined(22.0)
+    assert machine.phase is Phase.SERVING_RECOVERED
+
+
 def test_a_second_failure_keeps_what_was_seen_of_the_first() -> None:
     first = LaunchRecoveryMachine((1,), started_at=0.0)
     first.replacements_ready([False])
