@@ -9,8 +9,8 @@ tells it when the agreed pass began the rejoin and how it ended. Phases
 
     SERVING_DEGRADED --agreed pass (every replacement in WORLD)--> REJOINING
     REJOINING --taken back--> SERVING_RECOVERED
-    REJOINING --Mooncake went back on it (the ranks left WORLD again)--> SERVING_DEGRADED
-    REJOINING --a survivor left the agreed pass (nothing changed)--> SERVING_DEGRADED
+    REJOINING --not taken back (the ranks left WORLD again, or a survivor never reached the
+        change)--> SERVING_DEGRADED
 
 A replacement counts only once its rank's peer state read False (the dead process gone) and
 then True (its replacement registered): right after a kill Mooncake can still report the dead
@@ -86,13 +86,9 @@ class LaunchRecoveryMachine(PhaseMachine):
         self._tracker.advance(Phase.SERVING_RECOVERED, now)
 
     def rejoin_failed(self, now: float) -> None:
-        """The ranks left WORLD again before they were taken back (their peer state reads
-        False): wait for their next replacements."""
-        self._tracker.advance(Phase.SERVING_DEGRADED, now)
-
-    def rejoin_postponed(self, now: float) -> None:
-        """A survivor of the agreed pass never reached the change, so none was made: the
-        replacements stay counted, and the next agreed pass begins the rejoin again."""
+        """Not taken back on the agreed pass: the ranks left WORLD again (their next
+        replacements are waited for), or a survivor never reached the change and none was made
+        (the replacements stay counted and the next agreed pass begins the rejoin again)."""
         self._tracker.advance(Phase.SERVING_DEGRADED, now)
 
 

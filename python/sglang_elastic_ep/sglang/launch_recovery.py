@@ -133,7 +133,7 @@ def rejoin_in_place(runner: Any, state: Any, ranks: tuple[int, ...]) -> None:
         logger.info("[elastic-ep] %s %s rejoined: serving on %d ranks again "
                     "(phase %s)", what, list(ranks), state.effective_ep_size, machine.phase.value)
     elif world_quiesce(state).take_backed_out():  # a member never came: nothing changed
-        machine.rejoin_postponed(time.monotonic())
+        machine.rejoin_failed(time.monotonic())
         logger.warning("[elastic-ep] %s %s are taken back on a later agreed pass (phase %s)",
                        what, list(ranks), machine.phase.value)
     else:  # every survivor saw them registered on the agreed pass: Mooncake went back on it

@@ -278,14 +278,10 @@ def _grow(original: Any, runner: Any, state: Any, proposal: Proposal, source: st
 
 
 def _say_if_the_admission_was_not_proposed(state: Any, rank: int, target: int) -> None:
-    """After upstream's step on an agreed scale-up pass: say so when this rank proposed no
-    admission. Either a member never reached the quiesce barrier (``world_view``: every member
-    backs out and the next pass's agreement enters again), or upstream's step returned before
-    the admission on this rank, which the other members then wait for at the barrier."""
-    quiesce = world_quiesce(state)
-    if quiesce.take_backed_out():
-        return  # the barrier's own warning says it
-    if quiesce.take():
+    """After upstream's step on an agreed scale-up pass: say so when upstream's step returned
+    before the admission on this rank (the members armed on the pass were never met), which
+    the other members then wait for at the quiesce barrier (``world_view``)."""
+    if world_quiesce(state).take():
         logger.warning(
             "[elastic-ep] rank %d: upstream's step returned before the admission of the "
             "agreed scale-up to %d (phase %s, pending %s, serving %s): the other members wait "

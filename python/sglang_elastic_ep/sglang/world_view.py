@@ -60,7 +60,7 @@ class BarrierStore(Protocol):
 
     def get(self, key: str) -> bytes: ...
 
-    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
+    def compare_set(self, key: str, expected_value: bytes, desired_value: bytes) -> bytes: ...
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
 
@@ -95,15 +95,17 @@ def store_barrier(store: BarrierStore, key: str, parties: int, timeout_s: float)
         done_key = f"{key}/done-{crossing}"
         last = arrived == crossing * parties
         if last:
-            decision = store.compare_set(done_key, "", _MET.decode())
+            decision = store.compare_set(done_key, b"", _MET)
         elif store.check([done_key]):
             decision = store.get(done_key)
         else:
             try:
                 store.wait([done_key], timedelta(seconds=timeout_s))
             except Exception:  # TCPStore raises on timeout (DistStoreError, a RuntimeError)
-                return store.compare_set(done_key, "", _GIVEN_UP.decode()) == _MET
-            return store.get(done_key) == _MET
+                decision = store.compare_set(done_key, b"", _GIVEN_UP)
+            else:
+                decision = store.get(done_key)
+            return decision == _MET
         if decision == _MET:
             if last and crossing > 1:
                 store.delete_key(f"{key}/done-{crossing - 1}")
@@ -172,18 +174,13 @@ class WorldQuiesce:
             logger.info("[elastic-ep] rank %d: members %s quiet before %s of %s (waited %.2f s)",
                         dist.get_rank(), list(participants), change, list(ranks), waited)
             return True
-        if back_out:
-            self.backed_out = True
-            logger.warning("[elastic-ep] rank %d: not every member of %s reached the quiesce "
-                           "barrier before %s of %s within %.0f s: this rank proposes "
-                           "nothing on this pass, and the next pass's agreement enters the "
-                           "step again with every live member", dist.get_rank(),
-                           list(participants), change, list(ranks), waited)
-            return False
+        self.backed_out = back_out
+        outcome = ("this rank proposes nothing on this pass, and the next pass's agreement "
+                   "enters the step again with every live member" if back_out else "going ahead")
         logger.warning("[elastic-ep] rank %d: not every member of %s reached the quiesce "
-                       "barrier before %s of %s within %.0f s; going ahead",
-                       dist.get_rank(), list(participants), change, list(ranks), waited)
-        return True
+                       "barrier before %s of %s within %.0f s: %s", dist.get_rank(),
+                       list(participants), change, list(ranks), waited, outcome)
+        return not back_out
 
 
 def world_quiesce(state: Any) -> WorldQuiesce:

@@ -44,7 +44,7 @@ def test_a_rejoin_a_survivor_left_is_entered_again_with_the_same_replacement() -
     machine.replacements_ready([False])
     machine.replacements_ready([True])
     machine.entered(1.0)
-    machine.rejoin_postponed(21.0)  # a survivor never reached the change: none was made
+    machine.rejoin_failed(21.0)  # a survivor never reached the change: none was made
     assert machine.phase is Phase.SERVING_DEGRADED and not machine.done
     assert machine.replacements_ready([True]) is True  # no second "gone" needed
     machine.entered(21.5)
