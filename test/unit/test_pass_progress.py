@@ -77,6 +77,30 @@ def test_ranks_taken_for_failed_are_logged_with_their_last_report(
     assert "rank 0: in forward for" in line and "rank 1: none" in line, line
 
 
+def test_each_report_and_the_takers_line_carry_the_last_gathers_token_counts(
+        store: TCPStore, caplog: pytest.LogCaptureFixture) -> None:
+    """Two survivors that decide a pass differently (one runs its forward, one idles) wait for
+    each other until one takes the other for failed: the line names the token counts each of
+    them took from its last gather, so the row they saw differently is in the log."""
+    idle = PassProgress(rank=0)
+    idle.took_tokens([0, 0, 0])
+    idle.gathered()
+    idle.publish_forever(lambda: store, interval_s=0.05)
+    wait_until(lambda: len(read_reports(store, [0])) == 1, 10, "rank 0's report", poll_s=0.05)
+    assert read_reports(store, [0])[0]["tokens"] == [0, 0, 0]
+    forwarding = PassProgress(rank=2)
+    forwarding.took_tokens([0, 1, 0])
+    forwarding.now_in("forward")
+    forwarding.publish_forever(lambda: store, interval_s=0.05)
+    with caplog.at_level("INFO"):
+        thread = forwarding.log_last_reports([0])
+        assert thread is not None
+        thread.join(10)
+    line = next(r.getMessage() for r in caplog.records if "took ranks [0]" in r.getMessage())
+    assert "rank 0: in gather for" in line and "its last gather's tokens [0, 0, 0]" in line, line
+    assert line.endswith("this rank's last gather's tokens: [0, 1, 0]"), line
+
+
 def test_nothing_is_read_without_a_store_or_ranks() -> None:
     assert PassProgress(rank=0).log_last_reports([1]) is None  # never published: no store
     progress = PassProgress(rank=0, connect=lambda: None)
@@ -86,6 +110,10 @@ def test_nothing_is_read_without_a_store_or_ranks() -> None:
 def test_a_report_reads_as_step_duration_and_age() -> None:
     from sglang_elastic_ep.sglang.pass_progress import describe_reports
 
-    reports = [{"rank": 0, "step": "gather", "since": 70.0, "passes": 12, "at": 99.0}]
-    assert describe_reports(reports, [0, 3], now=100.0) == \
-        "rank 0: in gather for 30.0 s (pass 12), reported 1.0 s ago; rank 3: none"
+    reports = [{"rank": 0, "step": "gather", "since": 70.0, "passes": 12, "at": 99.0},
+               {"rank": 1, "step": "forward", "since": 90.0, "passes": 7, "tokens": [2, 0],
+                "at": 99.5}]
+    assert describe_reports(reports, [0, 1, 3], now=100.0) == (
+        "rank 0: in gather for 30.0 s (pass 12), reported 1.0 s ago; "
+        "rank 1: in forward for 10.0 s (pass 7, its last gather's tokens [2, 0]), reported "
+        "0.5 s ago; rank 3: none")

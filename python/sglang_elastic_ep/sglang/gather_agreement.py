@@ -261,6 +261,9 @@ def _gather_with_agreement(
             original, info, device, group, use_all_reduce, checked_rows=True)
     finally:
         agreement.outgoing = None
+    progress = pass_progress(state)
+    if progress is not None:
+        progress.took_tokens(getattr(info, "global_num_tokens", None))
     if not agreement.upstream_width:
         # The row hook did not run (the columns never left this rank): no round. Every rank
         # runs the same hooks, so all of them take the no-gather path alike.

@@ -85,6 +85,13 @@ def _forward_modes() -> frozenset[int]:
     return frozenset(int(m.value) for m in ForwardMode)
 
 
+@functools.cache
+def _decode_mode() -> int:
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return int(ForwardMode.DECODE.value)
+
+
 def repair_after_gather(info: Any) -> list[int]:
     """Check the rows upstream's ``all_gather`` just left on ``info`` and repair them in place
     (see the module docstring); the repaired row indices (usually none)."""
@@ -223,6 +230,7 @@ def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
     if full is None:
         return failed
     rows, width = int(full.shape[0]), int(full.shape[1])
+    as_gathered = list(getattr(info, "global_num_tokens", None) or [])
     fallback = info._get_fallback_tensor(device="cpu")
     for rank in failed:
         if rank < rows and rank != seen.own_index and fallback.numel() == width:
@@ -237,9 +245,29 @@ def repair_after_failed_gather(info: Any, seen: AllReduceSeen, group: Any,
     _derive_again(info, view)
     logger.warning("[elastic-ep] the DP gather completed without peers %s (they failed during "
                    "it): this rank's row is what it sent, theirs are their last gathered rows "
-                   "for this pass%s", failed,
-                   f"; rows {stale} failed their check and are idle" if stale else "")
+                   "for this pass%s; token counts as gathered %s, as taken %s", failed,
+                   f"; rows {stale} failed their check and are idle" if stale else "",
+                   as_gathered, info.global_num_tokens)
     return failed
+
+
+def run_a_forward_for(info: Any, failed: Sequence[int]) -> bool:
+    """Make this pass run its (idle) forward on this rank: the first failed peer's row becomes
+    a one-token decode. For a survivor whose repaired rows hold no work while a live peer that
+    received every row runs this pass's forward and waits for this rank's dispatch
+    (``tail_recovery.follow_a_forwarding_peer``). False when there is no row to change."""
+    view = getattr(info, "tp0_info_cpu", None)
+    full = full_rows(info)
+    rows = 0 if full is None else int(full.shape[0])
+    target = next((rank for rank in failed if rank < rows), None)
+    if target is None or view is None:
+        return False
+    full[target, 0] = 1  # num_tokens
+    full[target, 1] = 1  # num_tokens_for_logprob
+    full[target, 3] = 0  # is_extend_in_batch
+    full[target, FORWARD_MODE] = _decode_mode()
+    _derive_again(info, view)
+    return True
 
 
 def _rows_failing_their_check(full: Any, fallback: Any, skip: set[int]) -> list[int]:

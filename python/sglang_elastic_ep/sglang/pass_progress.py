@@ -26,6 +26,8 @@ from sglang_elastic_ep.sglang.world_registration import KeyValueStore, rendezvou
 logger = get_logger(__name__)
 
 PUBLISH_INTERVAL_S = 1.0
+# A report this recent comes from a rank that is alive now (it publishes every second).
+FRESH_REPORT_S = 3 * PUBLISH_INTERVAL_S
 READ_TIMEOUT_S = 2.0  # the HTTP process's reads: rank 0, which hosts the store, may be stopped
 _KEY = "sglang_eep/pass_progress/{rank}"
 
@@ -42,6 +44,10 @@ class PassProgress:
     step: str = "starting"
     since: float = field(default_factory=time.time)
     passes: int = 0
+    # The token count of each DP rank as this rank's last gather left them (after any repair):
+    # whether the pass runs a forward. Two survivors that decide a pass differently wait for
+    # each other; their reports then say which row they saw differently.
+    tokens: list[int] | None = None
     connect: Callable[[], KeyValueStore | None] | None = None  # set once it publishes
 
     @property
@@ -57,9 +63,13 @@ class PassProgress:
         self.passes += 1
         self.now_in("gather")
 
+    def took_tokens(self, tokens: list[int] | None) -> None:
+        """The gather of the current pass is done: each DP rank's token count as taken."""
+        self.tokens = tokens
+
     def report(self, now: float) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "since": self.since,
-                "passes": self.passes, "at": now}
+                "passes": self.passes, "tokens": self.tokens, "at": now}
 
     def publish_forever(self, connect: Callable[[], KeyValueStore | None],
                         interval_s: float = PUBLISH_INTERVAL_S) -> None:
@@ -101,8 +111,9 @@ class PassProgress:
                             "(%s)", self.rank, list(ranks), exc)
                 return
             logger.info("[elastic-ep] rank %d took ranks %s for failed; their last progress "
-                        "reports: %s", self.rank, list(ranks),
-                        describe_reports(reports, ranks, time.time()))
+                        "reports: %s; this rank's last gather's tokens: %s", self.rank,
+                        list(ranks), describe_reports(reports, ranks, time.time()),
+                        self.tokens)
 
         thread = threading.Thread(target=run, name="elastic-ep-peer-reports", daemon=True)
         thread.start()
@@ -148,9 +159,23 @@ def read_reports(store: KeyValueStore, ranks: Iterable[int]) -> list[dict[str, A
     return reports
 
 
+def peers_in_forward_since(reports: Sequence[dict[str, Any]], started: float, now: float,
+                           fresh_s: float = FRESH_REPORT_S) -> list[int]:
+    """The ranks whose fresh report says they entered a forward after ``started`` (when this
+    rank's gather of the pass began) and are in it still.
+
+    A peer that completed the same gather can only be in that pass's forward: its next one
+    would need this rank's dispatch. Entering it after this gather began tells it from the
+    previous pass's forward, whose report may be up to a second old."""
+    return sorted(int(r["rank"]) for r in reports
+                  if r.get("step") == "forward" and float(r["since"]) >= started
+                  and now - float(r["at"]) <= fresh_s)
+
+
 def describe_reports(reports: Sequence[dict[str, Any]], ranks: Iterable[int],
                      now: float) -> str:
-    """One phrase per rank: its step, for how long, and how old the report is."""
+    """One phrase per rank: its step, for how long, the token counts its last gather took,
+    and how old the report is."""
     by_rank = {int(r["rank"]): r for r in reports}
     parts = []
     for rank in ranks:
@@ -158,6 +183,9 @@ def describe_reports(reports: Sequence[dict[str, Any]], ranks: Iterable[int],
         if report is None:
             parts.append(f"rank {rank}: none")
             continue
+        tokens = report.get("tokens")
+        gathered = "" if tokens is None else f", its last gather's tokens {tokens}"
         parts.append(f"rank {rank}: in {report['step']} for {now - report['since']:.1f} s "
-                     f"(pass {report['passes']}), reported {now - report['at']:.1f} s ago")
+                     f"(pass {report['passes']}{gathered}), reported "
+                     f"{now - report['at']:.1f} s ago")
     return "; ".join(parts)

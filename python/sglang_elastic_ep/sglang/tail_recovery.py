@@ -42,10 +42,16 @@ from sglang_elastic_ep.sglang.gather_repair import (
     LastGatheredRows,
     repair_after_failed_gather,
     repair_after_gather,
+    run_a_forward_for,
     seeing_the_all_reduce,
 )
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import get_logger
+from sglang_elastic_ep.sglang.pass_progress import (
+    pass_progress,
+    peers_in_forward_since,
+    read_reports,
+)
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
 from sglang_elastic_ep.sglang.upstream import (
     RECOVERY_UNSUPPORTED,
@@ -362,6 +368,7 @@ def gather_seeing_failures(
     # read (so no device-to-host copy of it either).
     tp_group.active_ranks_cpu = world if world.device.type == "cpu" else state.active_ranks_cpu
     tp_group.active_ranks = world
+    started = time.time()
     try:
         with seeing_the_all_reduce(group) as seen:
             result = original(info, device, group, use_all_reduce)
@@ -370,8 +377,49 @@ def gather_seeing_failures(
     failed = repair_after_failed_gather(
         info, seen, group, checked=checked_rows,
         last=attached_state(state, _LAST_ROWS_ATTR, LastGatheredRows))
+    if failed:
+        follow_a_forwarding_peer(info, state, failed, started)
     repair_after_gather(info)
     return result, failed
+
+
+def follow_a_forwarding_peer(info: Any, state: Any, failed: Sequence[int],
+                             started: float) -> list[int]:
+    """After a gather this rank completed without ``failed``, whose repaired rows run no
+    forward: the live peers that run this pass's forward anyway (their fresh progress reports),
+    and if there are any, this rank runs its idle forward too (``gather_repair``'s
+    ``run_a_forward_for``).
+
+    A peer that received every row, the dying peer's current one among them, may decide that
+    the pass has work while this rank, holding the dying peer's last row, decides it has none.
+    The peer then waits in its dispatch for this rank, and this rank in the next gather for
+    it, until each takes the other for failed. This rank sat in Mooncake's post-failure sync
+    until the fault window closed, so such a peer has been in its forward for seconds by now
+    and says so in its report. Read only on a pass that lost a peer."""
+    if max(info.global_num_tokens or [0]) > 0:
+        return []
+    progress = pass_progress(state)
+    connect = None if progress is None else progress.connect
+    if connect is None:
+        return []
+    mirror = mirror_of(state)
+    own = dist.get_rank()
+    peers = [rank for rank in range(mirror.size)
+             if rank != own and rank not in failed and mirror.is_active(rank)]
+    try:
+        store = connect()
+        reports = [] if store is None else read_reports(store, peers)
+    except Exception as exc:  # noqa: BLE001 - the store's host may be gone: decide as before
+        logger.info("[elastic-ep] rank %d: no progress report of ranks %s readable after a "
+                    "failed gather (%s)", own, peers, exc)
+        return []
+    forwarding = peers_in_forward_since(reports, started, time.time())
+    if forwarding and run_a_forward_for(info, failed):
+        logger.warning("[elastic-ep] rank %d: ranks %s run this pass's forward (they received "
+                       "every row of the gather that lost %s): this rank runs it too, idle",
+                       own, forwarding, list(failed))
+        return forwarding
+    return []
 
 
 def gather_masks_expanded_world(
