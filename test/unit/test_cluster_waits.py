@@ -132,6 +132,25 @@ def test_each_shard_must_serve_after_the_call(tmp_path: Path) -> None:
         writer.join()
 
 
+def test_a_shards_relaunched_server_serves_in_a_log_of_its_own(tmp_path: Path) -> None:
+    """A replacement that died before it served leaves its log behind; the one relaunched
+    after it serves in a new log, which counts from its first batch."""
+    load = LoadClient("http://unused")
+    load.results += [_result(0, time.monotonic() + 3600), _result(1, time.monotonic() + 3600)]
+    dead = tmp_path / "r2-recover-a.log"
+    dead.write_text("[x DP2] Prefill batch. before the call\n")
+    logs = {2: lambda: sorted(tmp_path.glob("r2-recover-*.log"))}
+    with pytest.raises(TimeoutError, match=r"shards \[2\] served none yet"):
+        wait_each_shard_serves(load, [0, 1, 2], 0.1, logs=logs)
+    relaunch = threading.Timer(0.3, (tmp_path / "r2-recover-b.log").write_text,
+                               ["[x DP2] Prefill batch. the relaunch\n"])
+    relaunch.start()  # during the wait below
+    try:
+        wait_each_shard_serves(load, [0, 1, 2], 30, logs=logs)
+    finally:
+        relaunch.join()
+
+
 def test_webhook_receiver_returns_what_came_on_success_and_on_timeout() -> None:
     with WebhookReceiver() as hook:
         httpx.post(hook.url, json={"type": "rank_failed"}, timeout=60)

@@ -6,7 +6,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TypeVar
@@ -124,26 +124,41 @@ def batches_run_by(log_path: Path, shard: int) -> int:
     return len(line.findall(log_path.read_text(errors="replace")))
 
 
+# A shard's server log, or what lists its servers' logs now (a replacement that dies is
+# relaunched with a log of its own).
+ShardLogs = Path | Callable[[], Iterable[Path]]
+
+
+def _paths(logs: ShardLogs) -> list[Path]:
+    return [logs] if isinstance(logs, Path) else list(logs())
+
+
 def wait_each_shard_serves(
     load: LoadClient, shards: Sequence[int], timeout_s: float,
-    logs: Mapping[int, Path] | None = None,
+    logs: Mapping[int, ShardLogs] | None = None,
 ) -> None:
     """Wait until each of ``shards`` served ``load`` after this call: a request started since
     completed there (its response names the shard) or, for a shard in ``logs`` (shard -> its
-    server's log: a joiner's responses carry no dp_rank), its scheduler ran a new prefill batch.
+    server's log, or a function listing its servers' logs: a joiner's responses carry no
+    dp_rank), its scheduler ran a new prefill batch in one of them.
 
     What a test checks after a change instead of counting requests over a fixed time, which a
     slow machine fails (fewer complete); failed requests are the caller's to check."""
     since = time.monotonic()
     logs = dict(logs or {})
-    baseline = {shard: batches_run_by(log, shard) for shard, log in logs.items()}
+    # A log first listed later was written after this call: all of its batches count.
+    baseline = {shard: {path: batches_run_by(path, shard) for path in _paths(source)}
+                for shard, source in logs.items()}
+
+    def ran_a_new_batch(shard: int) -> bool:
+        return any(batches_run_by(path, shard) > baseline[shard].get(path, 0)
+                   for path in _paths(logs[shard]))
 
     def waiting() -> list[int]:
         served = {r.dp_rank for r in load.snapshot() if r.ok and r.started >= since}
         return [
             shard for shard in shards
-            if (batches_run_by(logs[shard], shard) <= baseline[shard] if shard in logs
-                else shard not in served)
+            if (not ran_a_new_batch(shard) if shard in logs else shard not in served)
         ]
 
     wait_until(lambda: not waiting(), timeout_s, f"requests served by each of shards {shards}",
