@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from sglang_elastic_ep.core.stall import in_their_forward_since, positions_from_reports
 from sglang_elastic_ep.sglang import gather_repair, pass_progress, tail_recovery
-from sglang_elastic_ep.sglang.pass_progress import PassProgress, peers_in_forward_since, report_key
+from sglang_elastic_ep.sglang.pass_progress import PassProgress, report_key
 
 DECODE = 2  # a stand-in for ForwardMode.DECODE's value
 IDLE = [0, 0, 1, 0, 1, 4, 0, 0, 1, 0, 0]
@@ -31,8 +32,9 @@ def test_only_a_fresh_forward_entered_after_the_gather_began_counts() -> None:
         report(4, "gather", since=101.0, at=129.5),  # the next pass's gather: it skipped
         report(5, "idle", since=101.0, at=129.5),
     ]
-    assert peers_in_forward_since(reports, STARTED, now=130.0) == [1]
-    assert peers_in_forward_since([], STARTED, now=130.0) == []
+    now = 130.0
+    assert in_their_forward_since(positions_from_reports(reports, now), now - STARTED) == [1]
+    assert in_their_forward_since([], now - STARTED) == []
 
 
 class FakeInfo:

@@ -58,6 +58,16 @@ def stuck_in_a_pass(positions: list[RankPosition], ranks: Collection[int],
     return max(stuck) if stuck else None
 
 
+def in_their_forward_since(positions: list[RankPosition], seconds: float) -> list[int]:
+    """The live schedulers (reporting) that entered a forward at most ``seconds`` ago and are
+    in it still. A peer that completed the same DP gather as this rank can only be in that
+    pass's forward (its next one needs this rank's dispatch); entering it after this rank's
+    gather began tells it from the previous pass's forward, whose report may be a second old."""
+    return [p.rank for p in positions
+            if p.step == "forward" and p.in_step_s <= seconds
+            and p.report_age_s <= STOPPED_AFTER_S]
+
+
 def positions_from_reports(reports: list[dict], now: float) -> list[RankPosition]:
     """Each scheduler's published report (``{rank, step, since, passes, at}``, Unix times) as
     where it is ``now``, by rank."""

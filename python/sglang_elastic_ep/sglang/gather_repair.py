@@ -256,17 +256,15 @@ def run_a_forward_for(info: Any, failed: Sequence[int]) -> bool:
     a one-token decode. For a survivor whose repaired rows hold no work while a live peer that
     received every row runs this pass's forward and waits for this rank's dispatch
     (``tail_recovery.follow_a_forwarding_peer``). False when there is no row to change."""
-    view = getattr(info, "tp0_info_cpu", None)
     full = full_rows(info)
-    rows = 0 if full is None else int(full.shape[0])
-    target = next((rank for rank in failed if rank < rows), None)
-    if target is None or view is None:
+    target = None if full is None else next((r for r in failed if r < full.shape[0]), None)
+    if target is None:
         return False
     full[target, 0] = 1  # num_tokens
     full[target, 1] = 1  # num_tokens_for_logprob
     full[target, 3] = 0  # is_extend_in_batch
     full[target, FORWARD_MODE] = _decode_mode()
-    _derive_again(info, view)
+    _derive_again(info, info.tp0_info_cpu)
     return True
 
 

@@ -26,8 +26,6 @@ from sglang_elastic_ep.sglang.world_registration import KeyValueStore, rendezvou
 logger = get_logger(__name__)
 
 PUBLISH_INTERVAL_S = 1.0
-# A report this recent comes from a rank that is alive now (it publishes every second).
-FRESH_REPORT_S = 3 * PUBLISH_INTERVAL_S
 READ_TIMEOUT_S = 2.0  # the HTTP process's reads: rank 0, which hosts the store, may be stopped
 _KEY = "sglang_eep/pass_progress/{rank}"
 
@@ -157,19 +155,6 @@ def read_reports(store: KeyValueStore, ranks: Iterable[int]) -> list[dict[str, A
         if store.check([key]):
             reports.append(json.loads(store.get(key).decode()))
     return reports
-
-
-def peers_in_forward_since(reports: Sequence[dict[str, Any]], started: float, now: float,
-                           fresh_s: float = FRESH_REPORT_S) -> list[int]:
-    """The ranks whose fresh report says they entered a forward after ``started`` (when this
-    rank's gather of the pass began) and are in it still.
-
-    A peer that completed the same gather can only be in that pass's forward: its next one
-    would need this rank's dispatch. Entering it after this gather began tells it from the
-    previous pass's forward, whose report may be up to a second old."""
-    return sorted(int(r["rank"]) for r in reports
-                  if r.get("step") == "forward" and float(r["since"]) >= started
-                  and now - float(r["at"]) <= fresh_s)
 
 
 def describe_reports(reports: Sequence[dict[str, Any]], ranks: Iterable[int],

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from sglang_elastic_ep.core.membership import failed_in_place, failed_tail
 from sglang_elastic_ep.core.phases import Phase
 from sglang_elastic_ep.core.placement import uncovered_experts
+from sglang_elastic_ep.core.stall import in_their_forward_since, positions_from_reports
 from sglang_elastic_ep.core.tail_recovery_machine import ReplacementVerdict, TailRecoveryMachine
 from sglang_elastic_ep.sglang import replacement_notices
 from sglang_elastic_ep.sglang.gather_repair import (
@@ -47,11 +48,7 @@ from sglang_elastic_ep.sglang.gather_repair import (
 )
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import mirror_of
 from sglang_elastic_ep.sglang.operation_log import get_logger
-from sglang_elastic_ep.sglang.pass_progress import (
-    pass_progress,
-    peers_in_forward_since,
-    read_reports,
-)
+from sglang_elastic_ep.sglang.pass_progress import pass_progress, read_reports
 from sglang_elastic_ep.sglang.tail_release import forget_cohorts, release_tail
 from sglang_elastic_ep.sglang.upstream import (
     RECOVERY_UNSUPPORTED,
@@ -413,7 +410,8 @@ def follow_a_forwarding_peer(info: Any, state: Any, failed: Sequence[int],
         logger.info("[elastic-ep] rank %d: no progress report of ranks %s readable after a "
                     "failed gather (%s)", own, peers, exc)
         return []
-    forwarding = peers_in_forward_since(reports, started, time.time())
+    now = time.time()
+    forwarding = in_their_forward_since(positions_from_reports(reports, now), now - started)
     if forwarding and run_a_forward_for(info, failed):
         logger.warning("[elastic-ep] rank %d: ranks %s run this pass's forward (they received "
                        "every row of the gather that lost %s): this rank runs it too, idle",
