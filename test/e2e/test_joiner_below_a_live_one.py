@@ -15,16 +15,19 @@ hole (``remove_a_joiner_below_a_live_one_then_refill_it.json``, ``[[0, 1], [0, 1
 [0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3], [0, 1, -2, 3], [0, 1, 3], [0, 1, -3], [0, 1, 2, 3]]``);
 the last kill leaves the hole with no live rank above, so the failed tail takes it in.
 
-The other way out is a scale-down past it: ``new_ep_size`` 2 removes the dead rank 2 together
-with rank 3, which drains first; a later scale-up refills the slots
-(``kill_a_joiner_below_a_live_one_then_shrink_past_it.json``). And when the live joiner above
+The suite runs these two on one cluster of two nodes: the in-place plan from its start, the
+removal plan from its four-rank step, where the first ended (one cluster start, and no step
+that only rebuilds a state). Their operation ids carry each plan's own prefix.
+
+Two more ways out run with ``--long`` (``test/plans/long/``), on a cluster of their own: a
+scale-down past it, where ``new_ep_size`` 2 removes the dead rank 2 together with rank 3, which
+drains first, and a later scale-up refills the slots
+(``kill_a_joiner_below_a_live_one_then_shrink_past_it.json``); and, when the live joiner above
 dies too, the failed joiners are a tail the survivors let go, and the launch-time rank that
 failed with them rejoins first
-(``kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json``).
-
-The four run on one cluster of two nodes: the in-place plan from its start, each of the
-others from its four-rank step, where the one before ended (one cluster start, and no step
-that only rebuilds a state). Their operation ids carry each plan's own prefix.
+(``kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json``). Their kills
+repeat states the suite's plans reach (a joiner killed below a live one, then a launch-time
+rank with it); what each then does is asserted in that long test.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ from sglang_elastic_ep_testbed.cluster.plans import (
 )
 
 PLANS = Path(__file__).parents[1] / "plans"
-PLAN = PLANS / "kill_a_joiner_below_a_live_one_then_shrink_past_it.json"
 IN_PLACE_PLAN = PLANS / "kill_a_joiner_below_a_live_one_and_relaunch_it_in_place.json"
-MIXED_PLAN = PLANS / "kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json"
 REMOVAL_PLAN = PLANS / "remove_a_joiner_below_a_live_one_then_refill_it.json"
+SHRUNK_PAST_PLAN = PLANS / "long" / "kill_a_joiner_below_a_live_one_then_shrink_past_it.json"
+MIXED_PLAN = (PLANS / "long"
+              / "kill_a_node_and_a_joiner_below_a_live_one_then_stop_the_joiner_above.json")
 
 
 def events_after(url: str, last_id: int) -> list[dict]:
@@ -60,20 +64,30 @@ def last_event_id(url: str) -> int:
     return max((e["event_id"] for e in sse_events(url)), default=0)
 
 
-@pytest.mark.timeout(5400)
-def test_a_joiner_below_a_live_one_rejoins_is_removed_is_let_go_or_is_shrunk_past(
+@pytest.mark.timeout(3600)
+def test_a_joiner_below_a_live_one_rejoins_in_place_or_is_removed_and_refilled(
         tiny_model: Path) -> None:
-    """The four plans on one cluster of two nodes: the in-place plan from its start, then each
-    of the others from its own four-rank step, where the one before ended."""
-    in_place, removal, mixed, shrunk_past = (load_plan(path) for path in
-                                             (IN_PLACE_PLAN, REMOVAL_PLAN, MIXED_PLAN, PLAN))
-    spec = plan_spec(tiny_model, [*in_place, *removal, *mixed, *shrunk_past],
-                     extra_args=["--enable-metrics"])
+    """The in-place plan from its start, then the removal plan from its four-rank step, where
+    the first ended, on one cluster of two nodes."""
+    in_place, removal = (load_plan(path) for path in (IN_PLACE_PLAN, REMOVAL_PLAN))
+    spec = plan_spec(tiny_model, [*in_place, *removal], extra_args=["--enable-metrics"])
     assert spec.nodes == 2  # node 1 dies and comes back alone
     with LocalCluster(spec) as cluster:
         runner = rejoins_in_place(cluster, in_place)
-        runner = removed_where_it_is_and_refilled(cluster, removal, runner)
-        runner = let_go_with_the_one_above(cluster, mixed, runner)
+        removed_where_it_is_and_refilled(cluster, removal, runner)
+
+
+@pytest.mark.long  # about 5 minutes on a cluster of its own: outside the suite
+@pytest.mark.timeout(3600)
+def test_a_joiner_below_a_live_one_is_let_go_with_the_one_above_or_shrunk_past(
+        tiny_model: Path) -> None:
+    """The let-go plan from its start, then the shrink-past plan from its four-rank step,
+    where the first ended, on one cluster of two nodes."""
+    mixed, shrunk_past = (load_plan(path) for path in (MIXED_PLAN, SHRUNK_PAST_PLAN))
+    spec = plan_spec(tiny_model, [*mixed, *shrunk_past])
+    assert spec.nodes == 2  # node 1 dies and comes back alone
+    with LocalCluster(spec) as cluster:
+        runner = let_go_with_the_one_above(cluster, mixed)
         shrunk_past_it(cluster, shrunk_past, runner)
 
 
@@ -108,7 +122,9 @@ def removed_where_it_is_and_refilled(cluster: LocalCluster, steps: list[Step],
     rejoined: list[str] = []
 
     def holes_then_tail(step: Step, current: dict) -> None:
-        if step.kind == "remove":
+        if step.index == 5:  # rank 2 killed below the live rank 3
+            assert_a_shrink_short_of_rank_2_names_the_ways_out(cluster.url, current)
+        elif step.kind == "remove":
             assert current["effective_ep_size"] == 3, current
             assert current["ranks"][2]["state"] == "safe_to_terminate", current
             refused = httpx.post(cluster.url + "/scale_elastic_ep", json={"new_ep_size": 2},
@@ -135,12 +151,25 @@ def removed_where_it_is_and_refilled(cluster: LocalCluster, steps: list[Step],
     return runner
 
 
-def let_go_with_the_one_above(cluster: LocalCluster, steps: list[Step],
-                              before: PlanRunner) -> PlanRunner:
-    """At the double kill every size change is refused with the way out (their relaunch:
-    they rejoin in place); rank 3 then dies too, so the failed joiners [2, 3] are a tail the
-    survivor lets go, node 1 rejoins in place, and the joiners' relaunches bring the cluster
-    back to four ranks."""
+def assert_a_shrink_short_of_rank_2_names_the_ways_out(url: str, current: dict) -> None:
+    """With rank 2 failed below the live rank 3 at four ranks, a scale-down to 3 (not past rank
+    2) is refused, naming the three ways that work, and changes nothing."""
+    assert current["phase"] == "serving_degraded", current
+    assert current["ranks"][2]["state"] == "failed", current
+    short = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3}, timeout=60)
+    assert short.status_code == 409, short.text
+    for way in ("scale down to 2 instead", "they rejoin in place",
+                'remove them where they are: {"remove_ranks": [2]}'):
+        assert way in short.json()["message"], short.text
+    after = httpx.get(url + "/elastic_ep/status", timeout=30).json()
+    assert after["effective_ep_size"] == 4 and after["current_operation"] is None, after
+
+
+def let_go_with_the_one_above(cluster: LocalCluster, steps: list[Step]) -> PlanRunner:
+    """From the plan's start (two launch ranks grown to four): at the double kill every size change
+    is refused with the way out (their relaunch: they rejoin in place); rank 3 then dies too, so the
+    failed joiners [2, 3] are a tail the survivor lets go, node 1 rejoins in place, and the joiners'
+    relaunches bring the cluster back to four ranks."""
     last_id = last_event_id(cluster.url)
 
     def refused_then_recovered(step: Step, current: dict) -> None:
@@ -157,8 +186,8 @@ def let_go_with_the_one_above(cluster: LocalCluster, steps: list[Step],
         elif step.index == 6:
             assert current["effective_ep_size"] == 4, current
 
-    runner = run_plan(cluster, steps, after=before, from_step=2,
-                      after_step=refused_then_recovered, operation_prefix="mixed")
+    runner = run_plan(cluster, steps, after_step=refused_then_recovered,
+                      operation_prefix="mixed")
     recovered = {rank for e in events_after(cluster.url, last_id)
                  if e["type"] == "rank_recovered" for rank in e.get("ranks", [])}
     assert 1 in recovered, recovered
@@ -173,16 +202,7 @@ def shrunk_past_it(cluster: LocalCluster, steps: list[Step], before: PlanRunner)
 
     def refused_then_shrunk_past(step: Step, current: dict) -> None:
         if step.kind == "kill":
-            assert current["phase"] == "serving_degraded", current
-            assert current["ranks"][2]["state"] == "failed", current
-            short = httpx.post(cluster.url + "/scale_elastic_ep", json={"new_ep_size": 3},
-                               timeout=60)
-            assert short.status_code == 409, short.text  # not past rank 2
-            for way in ("scale down to 2 instead", "they rejoin in place",
-                        'remove them where they are: {"remove_ranks": [2]}'):
-                assert way in short.json()["message"], short.text
-            after = httpx.get(cluster.url + "/elastic_ep/status", timeout=30).json()
-            assert after["effective_ep_size"] == 4 and after["current_operation"] is None, after
+            assert_a_shrink_short_of_rank_2_names_the_ways_out(cluster.url, current)
         elif step.kind == "shrink":
             assert current["effective_ep_size"] == 2, current
             assert [current["ranks"][r]["state"] for r in (2, 3)] == \

@@ -14,12 +14,14 @@ same arguments, rejoins in place at 3 ranks while the scale-joined rank 2 serves
 operation commits. The steps are the phase plan
 ``test/plans/kill_a_node_and_recover_it.json``.
 
-The same cluster then goes on with two more plans, each from its step ``[0, 1, 2]``: node 1 and
-the scale joiner are killed together (``kill_a_node_and_its_joiner_together``) and both come
-back; then the same with the failed ranks relaunched the highest first, and both joiners of a
-4-rank cluster killed and relaunched so
-(``kill_a_node_and_joiners_then_relaunch_them_highest_first``).
-One cluster for all three saves start-ups and scale-ups of the suite's time. A second test, on
+The same cluster then goes on from its step ``[0, 1, 2]``: node 1 and the scale joiner are
+killed together (``kill_a_node_and_its_joiner_together``) and both come back (one cluster for
+both saves a start-up and a scale-up of the suite's time). With ``--long``, on a cluster of its
+own: the same with the failed ranks relaunched the highest first, and both joiners of a 4-rank
+cluster killed and relaunched so
+(``test/plans/long/kill_a_node_and_joiners_then_relaunch_them_highest_first``); the suite's
+plan of a joiner killed below a live one relaunches node 1 and that joiner the highest first
+too. A second test, on
 three nodes, first kills a launch-time node before any scale, which both survivors take back
 (``kill_a_launch_node_with_two_survivors``); on the same cluster it kills two launch-time nodes at
 once after a scale-up to 4 and brings both back (``kill_two_launch_nodes_at_once``), then removes
@@ -79,8 +81,7 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
     """The plan [[0, 1], [0, -1], [0, 1], [0, 1, 2], [0, -1, 2], [0, 2], [0, 1, 2]] (the runner
     checks the set, the serving shards, the lost requests and the outputs at each step), plus
     what an orchestrator sees on the way; then node 1 and the joiner killed together
-    (``node_and_joiner_killed_together``), and the same relaunched the highest first, then both
-    joiners of four ranks (``failed_ranks_relaunched_at_once_highest_first``)."""
+    (``node_and_joiner_killed_together``)."""
     steps = load_plan(PLAN)
     hook = WebhookReceiver()
     spec = plan_spec(tiny_model, steps, extra_args=["--enable-metrics",
@@ -152,15 +153,14 @@ def test_kill_a_node_under_load_then_recover_it(tiny_model: Path) -> None:
             delivered = hook.wait_for(lambda got: event_types(got, [1]) == expected)
             assert event_types(delivered, [1]) == expected, delivered
 
-            # The same cluster goes on with the next plans, each from its step [0, 1, 2].
-            together = node_and_joiner_killed_together(cluster, runner)
-            failed_ranks_relaunched_at_once_highest_first(cluster, together)
+            # The same cluster goes on with the next plan, from its step [0, 1, 2].
+            node_and_joiner_killed_together(cluster, runner)
     finally:
         hook.close()
 
 
 TOGETHER = Path(__file__).parents[1] / "plans" / "kill_a_node_and_its_joiner_together.json"
-HIGHEST_FIRST = (Path(__file__).parents[1] / "plans"
+HIGHEST_FIRST = (Path(__file__).parents[1] / "plans" / "long"
                  / "kill_a_node_and_joiners_then_relaunch_them_highest_first.json")
 
 
@@ -346,25 +346,25 @@ def two_launch_nodes_killed_at_once(cluster: LocalCluster, before: PlanRunner) -
     return runner
 
 
-def failed_ranks_relaunched_at_once_highest_first(cluster: LocalCluster,
-                                                   before: PlanRunner) -> None:
+@pytest.mark.long  # about 4 minutes on a cluster of its own: outside the suite
+@pytest.mark.timeout(1800)
+def test_failed_ranks_relaunched_at_once_highest_first(tiny_model: Path) -> None:
     """The plan [[0, 1], [0, 1, 2], [0, -1, -2], [0, 1, 2], [0, 1, 2, 3], [0, 1, -2, -3],
-    [0, 1, 2, 3]] from its step [0, 1, 2] (where ``before`` left ``cluster``), with every
-    recover step relaunching its failed ranks the highest first, the joiners before the
-    launch-time node, each started once the one before waits for the survivors (an
-    orchestrator restarting failed pods in any order). First node 1 and joiner 2 die together:
-    joiner 2's replacement registers first and waits in its admission until node 1's
-    replacement has rejoined in place. Then, at four ranks, both joiners die: rank 3's
+    [0, 1, 2, 3]] on two nodes, with every recover step relaunching its failed ranks the highest
+    first, the joiners before the launch-time node, each started once the one before waits for
+    the survivors (an orchestrator restarting failed pods in any order). First node 1 and joiner
+    2 die together: joiner 2's replacement registers first and waits in its admission until node
+    1's replacement has rejoined in place. Then, at four ranks, both joiners die: rank 3's
     replacement registers first and waits until rank 2's is re-admitted at 3 ranks, then comes
     in at 4. The runner checks every step (sets, serving shards, lost requests, outputs); four
     clients, as in the plan of a node and its joiner killed together."""
     steps = load_plan(HIGHEST_FIRST)
-    assert plan_spec(cluster.spec.model_path, steps).nodes == cluster.spec.nodes
-    # The plans before this one wrote the same lines: only what this one adds counts.
-    survivor_log_before = len(cluster.primary.log_path.read_text(errors="replace"))
-    runner = run_plan(cluster, steps, concurrency=4, relaunch_order="highest_first",
-                      after=before, from_step=1)
-    survivor_log = cluster.primary.log_path.read_text(errors="replace")[survivor_log_before:]
+    spec = plan_spec(tiny_model, steps)
+    assert spec.nodes == 2  # node 1 dies and comes back alone
+    with LocalCluster(spec) as cluster:
+        runner = run_plan(cluster, steps, concurrency=4, relaunch_order="highest_first")
+        survivor_log = cluster.primary.log_path.read_text(errors="replace")
+        assert read_status(cluster.url)["effective_ep_size"] == 4
     rejoined = survivor_log.index("launch-time ranks [1] rejoined: serving on 2 ranks again")
     readmitted = survivor_log.index("replacement for ranks 2..2 registered: re-admitting it")
     assert rejoined < readmitted  # the joiner started first waited for the node
@@ -373,7 +373,6 @@ def failed_ranks_relaunched_at_once_highest_first(cluster: LocalCluster,
     for rank in (2, 3):
         log = runner.joiners[rank].log_path.read_text(errors="replace")
         assert f"scale joiner serves EP ranks [{rank}] at EP size {rank + 1}" in log, rank
-    assert read_status(cluster.url)["effective_ep_size"] == 4
 
 
 @pytest.mark.timeout(900)
