@@ -1,5 +1,6 @@
-"""Phase plans (test/plans/*.json): each step's change is derived from the sets, and what the
-plugin does not do is refused before a cluster starts."""
+"""Phase plans (test/plans/*.json, run by the suite, and test/plans/long/*.json, run with
+``--long``): each step's change is derived from the sets, and what the plugin does not do is
+refused before a cluster starts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 
 from sglang_elastic_ep_testbed.cluster.plans import PlanError, load_plan, plan_spec, steps_of
 
-PLANS = sorted((Path(__file__).parents[1] / "plans").glob("*.json"))
+PLANS_DIR = Path(__file__).parents[1] / "plans"
+PLANS = sorted(PLANS_DIR.glob("*.json"))
+LONG_PLANS = sorted((PLANS_DIR / "long").glob("*.json"))
 
 
 def kinds(plan: list[list[int]]) -> list[tuple[str, list[int], list[int], list[int]]]:
@@ -18,8 +21,17 @@ def kinds(plan: list[list[int]]) -> list[tuple[str, list[int], list[int], list[i
 
 def test_the_suites_plans_exist_and_parse() -> None:
     assert PLANS, "test/plans/ holds no plan"
-    for path in PLANS:
+    assert LONG_PLANS, "test/plans/long/ holds no plan"
+    for path in [*PLANS, *LONG_PLANS]:
         assert load_plan(path)[0].kind == "launch", path
+
+
+def test_every_plan_is_run_by_an_e2e_scenario() -> None:
+    """A plan no scenario loads would sit in test/plans/ unchecked."""
+    sources = "".join(path.read_text() for path in
+                      (Path(__file__).parents[1] / "e2e").glob("test_*.py"))
+    unused = [path.name for path in [*PLANS, *LONG_PLANS] if f'"{path.name}"' not in sources]
+    assert not unused, f"plans no e2e scenario runs: {unused}"
 
 
 def test_grow_kill_the_joiner_recover_and_shrink() -> None:
