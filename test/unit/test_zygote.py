@@ -73,6 +73,20 @@ def test_a_forked_server_runs_with_its_own_arguments_environment_session_and_log
     assert "PROBE_VALUE=second" in (tmp_path / "exit-0.log").read_text()
 
 
+def test_a_forked_servers_log_exists_once_its_pid_is_returned(zygote: Zygote,
+                                                              tmp_path: Path) -> None:
+    # As with Popen, which opens the log in the parent: a plan reads a replacement's log at
+    # once, while the server may not have run yet.
+    stale = tmp_path / "sleep.log"
+    stale.write_text("an earlier server's lines\n")
+    server = fork(zygote, tmp_path, "sleep")
+    try:
+        assert stale.exists() and "earlier" not in stale.read_text()
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=60)
+
+
 def test_a_killed_server_reads_as_popen_reads_a_signal_and_a_failed_one_exits_1(
         zygote: Zygote, tmp_path: Path) -> None:
     sleeper = fork(zygote, tmp_path, "sleep")

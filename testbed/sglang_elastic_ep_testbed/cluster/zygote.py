@@ -260,26 +260,33 @@ def _fork_server(module: str, request: dict, replies_fd: int) -> int:
             os.close(ready_r)
             os.close(replies_fd)
             os.setsid()
+            _write_output_to(request["log"])
             os.write(ready_w, b"1")
             os.close(ready_w)
             code = _run_server(module, request)
         finally:
             os._exit(code)
     os.close(ready_w)
-    os.read(ready_r, 1)  # its session exists before the test sees its pid
+    # Its session and its log exist before the test sees its pid, as with Popen, which opens
+    # the log in the parent: a test may read the log at once.
+    os.read(ready_r, 1)
     os.close(ready_r)
     return pid
 
 
-def _run_server(module: str, request: dict) -> int:
-    """Become the server ``request`` describes, running ``module``; its exit status."""
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _write_output_to(log_path: str) -> None:
+    """Both output streams to ``log_path`` (created or truncated), nothing on stdin."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+
+
+def _run_server(module: str, request: dict) -> int:
+    """Become the server ``request`` describes, running ``module``; its exit status."""
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [module, *request["args"]]
