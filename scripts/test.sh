@@ -21,6 +21,10 @@ if [[ $# -eq 0 ]]; then
   env -u SGLANG_USE_CPU_ENGINE "${PYTEST[@]}" test/unit
 fi
 export SGLANG_USE_CPU_ENGINE=1  # in-process SGLang imports need the CPU shims at startup
+# The cluster scenarios fork their servers from a process that imported SGLang once, for a
+# start in seconds (docs/cpu-testbed.md, "Servers forked from a pre-imported process");
+# SGLANG_EEP_SERVER_START=exec execs each one, as users, the demo and the benchmarks start them.
+export SGLANG_EEP_SERVER_START="${SGLANG_EEP_SERVER_START:-fork}"
 .venv/bin/python -m sglang_elastic_ep_testbed.tiny_model >/dev/null
 rc=0
 if [[ $# -eq 0 ]]; then

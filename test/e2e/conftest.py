@@ -14,11 +14,11 @@ and a cluster scenario runs for minutes. A scenario fails only when both runs fa
 hidden: the first run's failure digest stays in ``.cluster/failure-digest.txt``, and
 ``scripts/test.sh`` prints it, with pytest's ``RERUN`` lines, even when the rerun passed.
 
-Servers are exec'd, as users start them. ``SGLANG_EEP_SERVER_START=fork`` starts them as forks
-of a process that has imported SGLang once instead (docs/cpu-testbed.md, "Servers forked from
-a pre-imported process"): the suite takes about 5 minutes less, but its first runs that way
-met Mooncake's races more often, so it is not the default. The foundation scenario execs its
-servers either way.
+``scripts/test.sh`` (the suite) sets ``SGLANG_EEP_SERVER_START=fork`` unless it is set: servers
+start as forks of a process that has imported SGLang once (docs/cpu-testbed.md, "Servers
+forked from a pre-imported process"), about 5 minutes less for the suite. Without it (pytest
+by hand, or ``SGLANG_EEP_SERVER_START=exec``) they are exec'd, as users start them. The
+foundation scenario execs its servers either way.
 """
 
 from __future__ import annotations
