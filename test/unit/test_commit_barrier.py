@@ -72,7 +72,7 @@ def barrier(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
                       active_ranks_cpu=torch.tensor([1, 1, 1, 0], dtype=torch.int32),
                       effective_ep_size=2)
     env = SimpleNamespace(state=state, calls=calls, alive=[True], others=0, enabled=True,
-                          sent=[], runner=SimpleNamespace(model="model"))
+                          sent=[], runner=SimpleNamespace(model="model"), told=[])
     monkeypatch.setattr(commit_barrier, "elastic_ep_enabled", lambda: env.enabled)
     monkeypatch.setattr(commit_barrier, "elastic_state", lambda: env.state)
     monkeypatch.setattr(commit_barrier, "prepare_data_plane",
@@ -81,6 +81,8 @@ def barrier(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
                         lambda ranks: [env.alive[i] for i, _ in enumerate(ranks)])
     monkeypatch.setattr(commit_barrier, "_world_sum", lambda like: summing(env.others, env.sent))
     monkeypatch.setattr(commit_barrier.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(commit_barrier.replacement_notices, "announce_counted_out",
+                        lambda ranks: env.told.append(list(ranks)))
 
     def join() -> Any:
         return agreed_commit_barrier(lambda *a, **k: calls.append("upstream barrier"),
@@ -116,10 +118,25 @@ def test_a_joiner_counted_out_is_marked_failed_after_the_commit(
     assert barrier.calls[-1] == "commit" and barrier.state.effective_ep_size == 3
     assert barrier.state.active_ranks.tolist() == [1, 1, 0, 0]
     assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0]
+    assert barrier.told == [[2]]  # a joiner still in join_group reads it and exits
     # Marked once: the next scale-up's commit starts clean.
     barrier.alive, barrier.state.effective_ep_size = [True], 2
     barrier.commit()
-    assert barrier.state.active_ranks.tolist() == [1, 1, 1, 0]
+    assert barrier.state.active_ranks.tolist() == [1, 1, 1, 0] and barrier.told == [[2]]
+
+
+def test_a_notice_that_cannot_be_written_still_lets_the_joiners_slot_go(
+        barrier: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    def store_gone(ranks: Sequence[int]) -> None:
+        raise ConnectionError("store gone")
+
+    monkeypatch.setattr(commit_barrier.replacement_notices, "announce_counted_out", store_gone)
+    barrier.alive = [False]
+    with caplog.at_level("WARNING"):
+        barrier.commit()
+    assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0]
+    assert "could not tell joiners [2] they were counted out" in caplog.text
 
 
 def test_another_rank_counting_the_joiner_out_marks_it_failed_here_too(
@@ -127,7 +144,7 @@ def test_another_rank_counting_the_joiner_out_marks_it_failed_here_too(
     barrier.others = 1
     barrier.commit()
     assert barrier.sent == [0]
-    assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0]
+    assert barrier.state.active_ranks_cpu.tolist() == [1, 1, 0, 0] and barrier.told == [[2]]
 
 
 def test_a_joiner_the_serving_ranks_counted_out_stops_with_the_way_back(

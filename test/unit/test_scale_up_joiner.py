@@ -261,6 +261,55 @@ def test_a_joiner_the_survivors_await_in_place_exits_at_once_naming_the_relaunch
     assert "relaunch this joiner with the same arguments" in caplog.text
 
 
+def test_a_joiner_the_serving_ranks_counted_out_at_their_commit_exits_at_once(
+        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Mooncake gave up on the joiner's admission (it did not acknowledge the view update in
+    time) and the serving ranks committed without it: their notice ends its wait in
+    join_group, long before the timeout. A count from an earlier joiner of the slot, there
+    before it registered, does not."""
+    import functools
+    import threading
+
+    from sglang_elastic_ep.sglang import replacement_notices
+
+    store = FakeStore()
+    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
+    replacement_notices.announce_counted_out([2])  # an earlier joiner of the slot
+    released = threading.Event()
+    exits: list[int] = []
+    polls: list[str | None] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        released.set()
+
+    def join_group() -> None:
+        for _ in range(6000):  # until the watchdog has looked and let it wait
+            if len(polls) >= 3:
+                break
+            released.wait(0.01)
+        assert len(polls) >= 3 and exits == [], (polls, exits)
+        replacement_notices.announce_counted_out([2])  # the serving ranks, at their commit
+        released.wait(60)
+
+    counted_out_since = scale_up_joiner.counted_out_since
+
+    def counting(registered: dict[int, int]) -> str | None:
+        polls.append(counted_out_since(registered))
+        return polls[-1]
+
+    monkeypatch.setattr(scale_up_joiner, "counted_out_since", counting)
+    monkeypatch.setattr(scale_up_joiner, "scale_timeout_s", lambda: 600.0)
+    monkeypatch.setattr(scale_up_joiner, "AdmissionWatchdog", functools.partial(
+        scale_up_joiner.AdmissionWatchdog, exit_process=fake_exit, poll_s=0.01))
+    with caplog.at_level("ERROR"):
+        join_world(join_group)
+    assert exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
+    assert "the serving ranks counted ranks [2] out of Mooncake's WORLD" in caplog.text
+    assert "relaunch this joiner with --ep-join-mode recover" in caplog.text
+
+
 def test_a_joiner_whose_notices_cannot_be_read_waits_for_its_deadline(
         caplog: pytest.LogCaptureFixture) -> None:
     exits: list[int] = []
@@ -295,6 +344,11 @@ class FakeStore:
 
     def delete_key(self, key: str) -> bool:
         return self.values.pop(key, None) is not None
+
+    def add(self, key: str, amount: int) -> int:
+        total = int(self.values.get(key, b"0").decode()) + amount
+        self.values[key] = str(total).encode()
+        return total
 
 
 def test_a_replacement_of_the_lowest_slots_of_a_tail_waits_for_the_rest_with_the_survivors(

@@ -16,7 +16,9 @@ counts some joiner out of Mooncake's WORLD (a joiner adds 0). Every member reads
 - more: the serving ranks commit (upstream commits right after the barrier) and then mark the
   joiners failed in their mask (:func:`serving_rank_commit`), all on the same pass,
   so the next pass's agreement lets their slots go (``tail_recovery``), as for a joiner that
-  dies just after its commit. A joiner that reached the barrier although some serving rank
+  dies just after its commit. They also count it out in the rendezvous store
+  (``replacement_notices``): a joiner still waiting in ``join_group`` reads that and exits,
+  so its relaunch can follow at once. A joiner that reached the barrier although some serving rank
   counted it out stops with an error: the others are about to let its slot go, and a relaunch
   in recover mode brings it back.
 """
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sglang_elastic_ep.sglang import replacement_notices
 from sglang_elastic_ep.sglang.nixl_buffer_hooks import prepare_data_plane
 from sglang_elastic_ep.sglang.operation_log import get_logger
 from sglang_elastic_ep.sglang.upstream import attached_state, elastic_ep_enabled, elastic_state
@@ -130,7 +133,18 @@ def serving_rank_commit(original: Callable[..., Any], runner: Any,
                        "size %d: the survivors let their slots go on the next pass; relaunch "
                        "them with --ep-join-mode recover", dist.get_rank(), list(counted_out),
                        state.effective_ep_size)
+        tell_the_joiners_they_were_counted_out(counted_out)
     return result
+
+
+def tell_the_joiners_they_were_counted_out(ranks: Sequence[int]) -> None:
+    """The notice a joiner still in ``join_group`` waits on; without it (a store error) it
+    exits at its own ``--elastic-ep-scale-timeout``, so the error costs time, not the slot."""
+    try:
+        replacement_notices.announce_counted_out(ranks)
+    except Exception as exc:  # noqa: BLE001 - the slot is let go either way
+        logger.warning("[elastic-ep] could not tell joiners %s they were counted out (%s): "
+                       "each exits at its --elastic-ep-scale-timeout", list(ranks), exc)
 
 
 def mark_failed(state: Any, ranks: Sequence[int]) -> None:

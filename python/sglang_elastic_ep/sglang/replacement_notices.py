@@ -10,6 +10,11 @@ survivors and withdrawn once the replacement is in:
   ``rank``'s replacement where it is (a scale-joined rank below a live one). The replacement,
   a scale joiner by its arguments, reads it at start-up and rejoins through upstream's
   recovery instead of registering a scale cohort.
+- ``sglang_eep/counted_out/{rank}`` -> how many times a serving rank counted ``rank``'s joiner
+  out of Mooncake's WORLD at a commit (its admission not acknowledged in time) and let its
+  slot go. A joiner still waiting in ``join_group`` reads a count above the one it found at
+  registration and exits, instead of waiting for its own timeout. Never withdrawn: only its
+  change counts.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 AWAITED_TAIL_KEY_PREFIX = "sglang_eep/awaited_tail"
 IN_PLACE_KEY_PREFIX = "sglang_eep/rejoin_in_place"
+COUNTED_OUT_KEY_PREFIX = "sglang_eep/counted_out"
 
 
 def _rendezvous_store() -> Any:
@@ -75,3 +81,16 @@ def in_place_size(rank: int) -> int:
     """The size the survivors serve on while they await ``rank``'s replacement in place, else
     0 (read by a scale joiner at start-up)."""
     return _read(f"{IN_PLACE_KEY_PREFIX}/{rank}")
+
+
+def announce_counted_out(ranks: Iterable[int]) -> None:
+    store = _rendezvous_store()
+    if store is not None:
+        for rank in ranks:
+            store.add(f"{COUNTED_OUT_KEY_PREFIX}/{rank}", 1)
+
+
+def times_counted_out(rank: int) -> int:
+    """How many times the serving ranks counted ``rank``'s joiner out at a commit (read by a
+    scale joiner as it registers, and while it waits for its admission)."""
+    return _read(f"{COUNTED_OUT_KEY_PREFIX}/{rank}")

@@ -178,11 +178,13 @@ class AdmissionWatchdog:
     than ``timeout_s`` (``--elastic-ep-scale-timeout``) after registering its cohort, or as soon
     as ``turned_away`` (polled every ``poll_s``) gives a reason no admission will come.
 
-    ``join_group`` has no timeout of its own: a joiner whose scale-up was called off (cancelled,
-    timed out on the serving ranks) or whose admission Mooncake gave up on would wait there for
-    ever, alive and silent. By then the serving ranks have dropped the scale, so the joiner
-    exits with :data:`EXIT_NOT_ADMITTED` and a line that says why, and the orchestrator sees a
-    failed process instead of one that never becomes ready. ``timeout_s`` 0: no limit."""
+    ``join_group`` has no timeout that can be set (once, on the CPU cluster, its wait for the
+    admission gave up after 300 s, raising ``waitUntilRankActive timed out``): a joiner whose
+    scale-up was called off (cancelled, timed out on the serving ranks) or whose admission
+    Mooncake gave up on would wait there, alive and silent. By then the serving ranks have
+    dropped the scale (or committed without it), so the joiner exits with
+    :data:`EXIT_NOT_ADMITTED` and a line that says why, and the orchestrator sees a failed
+    process instead of one that never becomes ready. ``timeout_s`` 0: no limit."""
 
     def __init__(self, timeout_s: float, who: str,
                  exit_process: Callable[[int], None] = os._exit,
@@ -255,6 +257,19 @@ def awaited_in_place(ranks: range) -> str | None:
             "it reads their notice at start-up and rejoins in place")
 
 
+def counted_out_since(registered: dict[int, int]) -> str | None:
+    """Why a registered cohort will never be admitted: the serving ranks counted some of its
+    ranks out of Mooncake's WORLD at their commit since it registered (``registered``: each
+    rank's count then), and let their slots go; else None."""
+    out = [rank for rank, seen in registered.items()
+           if replacement_notices.times_counted_out(rank) > seen]
+    if not out:
+        return None
+    return (f"the serving ranks counted ranks {out} out of Mooncake's WORLD at their commit "
+            "(this joiner's admission was not acknowledged in time) and let the slots go; "
+            "relaunch this joiner with --ep-join-mode recover and the same arguments")
+
+
 def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``model_runner.join_scale_process_group`` (its cohort registered, the joiner waits
     in Mooncake's ``join_group`` until the serving ranks admit it): builds the joiner's
@@ -276,8 +291,10 @@ def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     logger.info("[elastic-ep] scale joiner for EP ranks %s of %d registered its cohort: waits "
                 "for the serving ranks to admit it (phase %s)", list(machine.ranks),
                 machine.new_size, machine.phase.value)
+    counted_out = {rank: replacement_notices.times_counted_out(rank) for rank in machine.ranks}
     with AdmissionWatchdog(scale_timeout_s(), _who(machine),
-                           turned_away=lambda: awaited_in_place(machine.ranks)):
+                           turned_away=lambda: (awaited_in_place(machine.ranks)
+                                                or counted_out_since(counted_out))):
         result = run_step(machine, _who(machine), original, *args, **kwargs)
     machine.admitted(time.monotonic())
     logger.info("[elastic-ep] scale joiner admitted into WORLD after %.1f s: receives the expert "
