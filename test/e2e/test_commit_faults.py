@@ -6,7 +6,9 @@ steady greedy load; a scale joiner for rank 2 is launched and ``new_ep_size: 3``
 joiner is killed (or stopped) the moment rank 0 logs that it enters the scale-up (the pass every
 rank agreed to admit it on). A stopped joiner is a hung one: alive, its connections open, but it
 never acknowledges the admission, as a joiner stuck in Mooncake's ``join_group`` did
-(docs/cpu-testbed.md); the orchestrator kills it before it relaunches the slot. A third run
+(docs/cpu-testbed.md). Once the serving ranks committed without it, it is resumed and must exit
+by itself (the serving ranks counted it out in the rendezvous store); else the orchestrator
+kills it before it relaunches the slot. A third run
 stops the joiner only once a serving rank logs that Mooncake's view has admitted it: the joiner
 acknowledged its admission, and the expert map's broadcast that follows waits for it. Where
 the fault lands decides which of two states follows, and both have an action that works:
@@ -50,6 +52,9 @@ from sglang_elastic_ep_testbed.cluster.waits import wait_until
 LOAD_CLIENTS = 2
 ENTERS = "rank 0 enters the scale-up to 3"  # the agreed pass, before the admission
 ADMITTED = "has admitted ranks [2]"  # a serving rank's line once Mooncake's WORLD view has it
+# Mooncake's own wait in join_group gave up after 300 s (docs/cpu-testbed.md): a joiner still
+# there by then did not exit on the serving ranks' notice.
+JOIN_GROUP_GIVES_UP_S = 300
 SCALE_TIMEOUT_S = 240  # --elastic-ep-scale-timeout (above the 120 s drain timeout): a scale-up
 # left pending fails by then
 
@@ -88,7 +93,15 @@ def test_a_joiner_killed_or_hung_on_the_pass_that_admits_it(tiny_model: Path, fa
             done = wait_operation(url, "grow", SCALE_TIMEOUT_S + FAULT_SEEN_S)
             print(f"[commit fault] joiner {fault}: the scale-up ended {done['result']}: {done}",
                   flush=True)
-            if fault == "stopped":  # what the orchestrator does before it relaunches the slot
+            if fault == "stopped" and moment == ENTERS and done["result"] == "succeeded":
+                # Committed without it: once its hang ends, the joiner, still in join_group,
+                # reads the serving ranks' notice and exits by itself, for its relaunch.
+                cluster.resume_server(joiner)
+                code = joiner.wait_exit(JOIN_GROUP_GIVES_UP_S)
+                log = joiner.log_path.read_text(errors="replace")
+                assert code not in (None, 0), f"the resumed joiner {joiner.state()}"
+                assert "gives up its admission: the serving ranks counted ranks [2] out" in log
+            elif fault == "stopped":  # what the orchestrator does before it relaunches the slot
                 cluster.kill_server(joiner)
             if done["result"] == "succeeded":
                 # The serving ranks may count the commit barrier's collective differently

@@ -310,6 +310,51 @@ def test_a_joiner_the_serving_ranks_counted_out_at_their_commit_exits_at_once(
     assert "relaunch this joiner with --ep-join-mode recover" in caplog.text
 
 
+def test_an_admitted_joiner_counted_out_before_it_serves_exits_and_one_that_serves_is_let_be(
+        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Mooncake admitted it late: the serving ranks had counted it out and committed without
+    it, so its next collective (here the commit barrier) waits for good; their notice ends it.
+    A joiner that commits and serves has no watch left."""
+    import functools
+    import threading
+
+    from sglang_elastic_ep.sglang import replacement_notices
+
+    store = FakeStore()
+    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
+    released = threading.Event()
+    exits: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        released.set()
+
+    def barrier_the_others_left(runner: object, size: int) -> None:
+        replacement_notices.announce_counted_out([2])  # the serving ranks, at their commit
+        released.wait(60)
+
+    monkeypatch.setattr(scale_up_joiner, "scale_timeout_s", lambda: 600.0)
+    monkeypatch.setattr(scale_up_joiner, "AdmissionWatchdog", functools.partial(
+        scale_up_joiner.AdmissionWatchdog, exit_process=fake_exit, poll_s=0.01))
+    with caplog.at_level("ERROR"):
+        join_world(lambda: None)  # admitted
+        commit_joining(barrier_the_others_left, RUNNER, 3)
+    assert exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
+    assert "the serving ranks counted ranks [2] out of Mooncake's WORLD" in caplog.text
+
+    exits.clear()
+    join_world(lambda: None)
+    holder = scale_up_joiner.attached_state(scale_up_joiner.elastic_state(),
+                                            scale_up_joiner._STATE_ATTR,
+                                            scale_up_joiner.JoinerState)
+    watch = holder.counted_out_watch
+    assert watch is not None and watch._thread is not None and watch._thread.is_alive()
+    commit_joining(lambda runner, size: None, RUNNER, 3)
+    watch._thread.join(60)
+    assert not watch._thread.is_alive() and holder.counted_out_watch is None and exits == []
+
+
 def test_a_joiner_whose_notices_cannot_be_read_waits_for_its_deadline(
         caplog: pytest.LogCaptureFixture) -> None:
     exits: list[int] = []
@@ -386,3 +431,29 @@ def test_a_joiner_of_an_ordinary_scale_up_awaits_no_tail(
     join_world(lambda: None)
     commit_joining(lambda runner, size: setattr(state, "effective_ep_size", size), RUNNER, 3)
     assert tail_recovery.tail_recovery_state(state).machine is None
+
+
+def test_a_joiner_ended_by_its_watchdog_tells_its_parent_as_a_failed_scheduler_does() -> None:
+    """Its parent (the DP controller, or the server) learns of the end by SIGQUIT, as from a
+    scheduler that raised: an exit alone in the start-up leaves the server waiting."""
+    import os
+    import signal
+
+    read_end, write_end = os.pipe()
+    parent = os.fork()
+    if parent == 0:  # the joiner's parent: records SIGQUIT, reaps the scheduler
+        try:
+            quits: list[int] = []
+            signal.signal(signal.SIGQUIT, lambda signum, frame: quits.append(signum))
+            scheduler = os.fork()
+            if scheduler == 0:
+                scale_up_joiner.end_the_joiners_server(scale_up_joiner.EXIT_NOT_ADMITTED)
+            _, status = os.waitpid(scheduler, 0)
+            os.write(write_end, f"{os.waitstatus_to_exitcode(status)} {quits}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(parent, 0)
+    exited = os.read(read_end, 100).decode()
+    os.close(read_end)
+    assert exited == f"{scale_up_joiner.EXIT_NOT_ADMITTED} [{int(signal.SIGQUIT)}]", exited

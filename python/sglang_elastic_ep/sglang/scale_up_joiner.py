@@ -31,6 +31,7 @@ barrier, and at its commit point runs upstream's rejoin instead (``launch_recove
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,8 @@ class JoinerState:
     join_deferred: bool = False
     # The survivors' size when it replaces a scale-joined rank below a live one (0: it joins).
     rejoin_in_place_at: int = 0
+    # From its registration until it serves: ends it once the serving ranks count it out.
+    counted_out_watch: AdmissionWatchdog | None = None
 
 
 def joiner_machine() -> JoinerMachine | None:
@@ -169,8 +172,17 @@ def _register_and_join(runner: Any) -> None:
 EXIT_NOT_ADMITTED = 3
 
 
-# How often a joiner waiting for its admission looks for the survivors' in-place notice.
+# How often a joiner waiting for its admission looks for the survivors' notices.
 TURNED_AWAY_POLL_S = 2.0
+
+
+def end_the_joiners_server(code: int) -> None:
+    """End this scheduler with ``code`` as upstream's scheduler ends on an exception: SIGQUIT
+    to its parent (which then takes the server down), then its own exit. An exit alone, in
+    the scheduler's start-up, is not seen by its parent, which waits for the scheduler's
+    start-up report on a pipe whose write end it holds too: the server would live on."""
+    os.kill(os.getppid(), signal.SIGQUIT)
+    os._exit(code)
 
 
 class AdmissionWatchdog:
@@ -187,7 +199,7 @@ class AdmissionWatchdog:
     process instead of one that never becomes ready. ``timeout_s`` 0: no limit."""
 
     def __init__(self, timeout_s: float, who: str,
-                 exit_process: Callable[[int], None] = os._exit,
+                 exit_process: Callable[[int], None] = end_the_joiners_server,
                  turned_away: Callable[[], str | None] | None = None,
                  poll_s: float = TURNED_AWAY_POLL_S) -> None:
         self.timeout_s = timeout_s
@@ -291,11 +303,19 @@ def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     logger.info("[elastic-ep] scale joiner for EP ranks %s of %d registered its cohort: waits "
                 "for the serving ranks to admit it (phase %s)", list(machine.ranks),
                 machine.new_size, machine.phase.value)
+    # Admitted by Mooncake, it may still be counted out at the serving ranks' commit (its
+    # acknowledgement too late): they then go on without it, and its next collective (the
+    # expert map, the commit barrier) would wait for good. So this watch lasts until it serves.
     counted_out = {rank: replacement_notices.times_counted_out(rank) for rank in machine.ranks}
-    with AdmissionWatchdog(scale_timeout_s(), _who(machine),
-                           turned_away=lambda: (awaited_in_place(machine.ranks)
-                                                or counted_out_since(counted_out))):
-        result = run_step(machine, _who(machine), original, *args, **kwargs)
+    holder.counted_out_watch = AdmissionWatchdog(
+        0, _who(machine), turned_away=lambda: counted_out_since(counted_out)).__enter__()
+    try:
+        with AdmissionWatchdog(scale_timeout_s(), _who(machine),
+                               turned_away=lambda: awaited_in_place(machine.ranks)):
+            result = run_step(machine, _who(machine), original, *args, **kwargs)
+    except BaseException:
+        stop_the_counted_out_watch(holder)
+        raise
     machine.admitted(time.monotonic())
     logger.info("[elastic-ep] scale joiner admitted into WORLD after %.1f s: receives the expert "
                 "map (phase %s)",
@@ -317,22 +337,32 @@ def commit_joining(original: Any, runner: Any, target_size: int) -> Any:
         # takes it back, it takes on the survivors' size and receives their expert map. No
         # commit barrier: the survivors' take-back has none.
         return runner.post_capture_elastic_ep_recover()
-    if holder.join_deferred:
-        holder.join_deferred = False
-        _register_and_join(runner)
-    machine = joiner_machine()
-    if machine is None or machine.done:
-        return original(runner, target_size)
-    reload_moved_experts(runner, runner._elastic_global_rank(), holder.loaded)
-    # A replacement of the lowest slots of a let-go tail: the survivors still await the rest.
-    awaited = replacement_notices.tail_awaited_above(machine.new_size)
-    machine.syncing(time.monotonic())
-    result = run_step(machine, _who(machine), original, runner, target_size)
-    machine.serving(time.monotonic())
+    try:
+        if holder.join_deferred:
+            holder.join_deferred = False
+            _register_and_join(runner)
+        machine = joiner_machine()
+        if machine is None or machine.done:
+            return original(runner, target_size)
+        reload_moved_experts(runner, runner._elastic_global_rank(), holder.loaded)
+        # A replacement of the lowest slots of a let-go tail: the survivors still await the
+        # rest.
+        awaited = replacement_notices.tail_awaited_above(machine.new_size)
+        machine.syncing(time.monotonic())
+        result = run_step(machine, _who(machine), original, runner, target_size)
+        machine.serving(time.monotonic())
+    finally:
+        stop_the_counted_out_watch(holder)
     tail_recovery.await_the_tail_with_the_survivors(state, awaited)
     logger.info("[elastic-ep] scale joiner serves EP ranks %s at EP size %d; its start-up: %s",
                 list(machine.ranks), machine.new_size, breakdown(machine))
     return result
+
+
+def stop_the_counted_out_watch(holder: JoinerState) -> None:
+    if holder.counted_out_watch is not None:
+        holder.counted_out_watch.__exit__(None, None, None)
+        holder.counted_out_watch = None
 
 
 def _who(machine: JoinerMachine) -> str:

@@ -29,6 +29,7 @@ from sglang_elastic_ep_testbed.cluster.procs import (
     process_tree,
     processes_in_sessions,
     processes_tagged,
+    resume_tree,
     stop_tree,
 )
 from sglang_elastic_ep_testbed.cluster.waits import wait_until
@@ -494,6 +495,11 @@ class LocalCluster:
         open connections but answering nothing; its pid. ``kill_server`` ends it later."""
         stop_tree(server.pid)
         return server.pid
+
+    @staticmethod
+    def resume_server(server: ServerProcess) -> None:
+        """SIGCONT every process of a server ``stop_server`` stopped: the hang ends."""
+        resume_tree(server.pid)
 
     @staticmethod
     def crash_schedulers(server: ServerProcess, timeout_s: float) -> int | None:

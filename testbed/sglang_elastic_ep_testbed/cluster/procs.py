@@ -96,6 +96,11 @@ def stop_tree(pid: int) -> None:
     _signal_tree(pid, process_tree(pid), signal.SIGSTOP)
 
 
+def resume_tree(pid: int) -> None:
+    """SIGCONT what ``stop_tree`` stopped."""
+    _signal_tree(pid, process_tree(pid), signal.SIGCONT)
+
+
 def _signal_tree(pid: int, procs: list[psutil.Process], sig: int) -> None:
     """Send ``sig`` to ``procs`` (``pid``'s tree) and to ``pid``'s process group."""
     for proc in procs:
