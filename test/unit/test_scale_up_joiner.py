@@ -227,12 +227,12 @@ def test_an_admitted_joiner_or_one_without_a_timeout_is_never_ended() -> None:
         assert dog._thread is None  # --elastic-ep-scale-timeout 0: no limit
 
 
-def test_a_joiner_the_survivors_await_in_place_exits_at_once_naming_the_relaunch(
-        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """Relaunched before the survivors noticed that rank 2 failed below a live rank, the
-    replacement read no notice and registered a cohort, which nobody will admit: once the
-    notice appears it exits (a fake exit that releases the wait), long before the timeout."""
+@pytest.fixture
+def watched_joiner(joiner_process: SimpleNamespace,
+                   monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """Rank 2's joiner with the rendezvous store faked, its watchdogs polling every 10 ms and
+    ending it by a fake exit that records the code and releases ``released`` (the wait it was
+    in), and a scale timeout far away."""
     import functools
     import threading
 
@@ -240,58 +240,55 @@ def test_a_joiner_the_survivors_await_in_place_exits_at_once_naming_the_relaunch
 
     store = FakeStore()
     monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
-    released = threading.Event()
-    exits: list[int] = []
+    env = SimpleNamespace(notices=replacement_notices, released=threading.Event(), exits=[])
 
     def fake_exit(code: int) -> None:
-        exits.append(code)
-        released.set()
-
-    def join_group() -> None:
-        replacement_notices.announce_in_place([2], 4)  # the survivors, meanwhile
-        released.wait(60)
+        env.exits.append(code)
+        env.released.set()
 
     monkeypatch.setattr(scale_up_joiner, "scale_timeout_s", lambda: 600.0)
     monkeypatch.setattr(scale_up_joiner, "AdmissionWatchdog", functools.partial(
         scale_up_joiner.AdmissionWatchdog, exit_process=fake_exit, poll_s=0.01))
+    return env
+
+
+def test_a_joiner_the_survivors_await_in_place_exits_at_once_naming_the_relaunch(
+        watched_joiner: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
+    """Relaunched before the survivors noticed that rank 2 failed below a live rank, the
+    replacement read no notice and registered a cohort, which nobody will admit: once the
+    notice appears it exits, long before the timeout."""
+    joiner = watched_joiner
+
+    def join_group() -> None:
+        joiner.notices.announce_in_place([2], 4)  # the survivors, meanwhile
+        joiner.released.wait(60)
+
     with caplog.at_level("ERROR"):
         join_world(join_group)
-    assert exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
+    assert joiner.exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
     assert "the survivors await ranks [2] in place" in caplog.text
     assert "relaunch this joiner with the same arguments" in caplog.text
 
 
 def test_a_joiner_the_serving_ranks_counted_out_at_their_commit_exits_at_once(
-        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
+        watched_joiner: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """Mooncake gave up on the joiner's admission (it did not acknowledge the view update in
     time) and the serving ranks committed without it: their notice ends its wait in
     join_group, long before the timeout. A count from an earlier joiner of the slot, there
     before it registered, does not."""
-    import functools
-    import threading
-
-    from sglang_elastic_ep.sglang import replacement_notices
-
-    store = FakeStore()
-    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
-    replacement_notices.announce_counted_out([2])  # an earlier joiner of the slot
-    released = threading.Event()
-    exits: list[int] = []
+    joiner = watched_joiner
+    joiner.notices.announce_counted_out([2])  # an earlier joiner of the slot
     polls: list[str | None] = []
-
-    def fake_exit(code: int) -> None:
-        exits.append(code)
-        released.set()
 
     def join_group() -> None:
         for _ in range(6000):  # until the watchdog has looked and let it wait
             if len(polls) >= 3:
                 break
-            released.wait(0.01)
-        assert len(polls) >= 3 and exits == [], (polls, exits)
-        replacement_notices.announce_counted_out([2])  # the serving ranks, at their commit
-        released.wait(60)
+            joiner.released.wait(0.01)
+        assert len(polls) >= 3 and joiner.exits == [], (polls, joiner.exits)
+        joiner.notices.announce_counted_out([2])  # the serving ranks, at their commit
+        joiner.released.wait(60)
 
     counted_out_since = scale_up_joiner.counted_out_since
 
@@ -300,50 +297,31 @@ def test_a_joiner_the_serving_ranks_counted_out_at_their_commit_exits_at_once(
         return polls[-1]
 
     monkeypatch.setattr(scale_up_joiner, "counted_out_since", counting)
-    monkeypatch.setattr(scale_up_joiner, "scale_timeout_s", lambda: 600.0)
-    monkeypatch.setattr(scale_up_joiner, "AdmissionWatchdog", functools.partial(
-        scale_up_joiner.AdmissionWatchdog, exit_process=fake_exit, poll_s=0.01))
     with caplog.at_level("ERROR"):
         join_world(join_group)
-    assert exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
+    assert joiner.exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
     assert "the serving ranks counted ranks [2] out of Mooncake's WORLD" in caplog.text
     assert "relaunch this joiner with --ep-join-mode recover" in caplog.text
 
 
 def test_an_admitted_joiner_counted_out_before_it_serves_exits_and_one_that_serves_is_let_be(
-        joiner_process: SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+        watched_joiner: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
     """Mooncake admitted it late: the serving ranks had counted it out and committed without
     it, so its next collective (here the commit barrier) waits for good; their notice ends it.
     A joiner that commits and serves has no watch left."""
-    import functools
-    import threading
-
-    from sglang_elastic_ep.sglang import replacement_notices
-
-    store = FakeStore()
-    monkeypatch.setattr(replacement_notices, "_rendezvous_store", lambda: store)
-    released = threading.Event()
-    exits: list[int] = []
-
-    def fake_exit(code: int) -> None:
-        exits.append(code)
-        released.set()
+    joiner = watched_joiner
 
     def barrier_the_others_left(runner: object, size: int) -> None:
-        replacement_notices.announce_counted_out([2])  # the serving ranks, at their commit
-        released.wait(60)
+        joiner.notices.announce_counted_out([2])  # the serving ranks, at their commit
+        joiner.released.wait(60)
 
-    monkeypatch.setattr(scale_up_joiner, "scale_timeout_s", lambda: 600.0)
-    monkeypatch.setattr(scale_up_joiner, "AdmissionWatchdog", functools.partial(
-        scale_up_joiner.AdmissionWatchdog, exit_process=fake_exit, poll_s=0.01))
     with caplog.at_level("ERROR"):
         join_world(lambda: None)  # admitted
         commit_joining(barrier_the_others_left, RUNNER, 3)
-    assert exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
+    assert joiner.exits == [scale_up_joiner.EXIT_NOT_ADMITTED]
     assert "the serving ranks counted ranks [2] out of Mooncake's WORLD" in caplog.text
 
-    exits.clear()
+    joiner.exits.clear()
     join_world(lambda: None)
     holder = scale_up_joiner.attached_state(scale_up_joiner.elastic_state(),
                                             scale_up_joiner._STATE_ATTR,
@@ -352,7 +330,8 @@ def test_an_admitted_joiner_counted_out_before_it_serves_exits_and_one_that_serv
     assert watch is not None and watch._thread is not None and watch._thread.is_alive()
     commit_joining(lambda runner, size: None, RUNNER, 3)
     watch._thread.join(60)
-    assert not watch._thread.is_alive() and holder.counted_out_watch is None and exits == []
+    assert not watch._thread.is_alive() and holder.counted_out_watch is None
+    assert joiner.exits == []
 
 
 def test_a_joiner_whose_notices_cannot_be_read_waits_for_its_deadline(

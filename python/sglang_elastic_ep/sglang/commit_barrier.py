@@ -17,10 +17,11 @@ counts some joiner out of Mooncake's WORLD (a joiner adds 0). Every member reads
   joiners failed in their mask (:func:`serving_rank_commit`), all on the same pass,
   so the next pass's agreement lets their slots go (``tail_recovery``), as for a joiner that
   dies just after its commit. They also count it out in the rendezvous store
-  (``replacement_notices``): a joiner still waiting in ``join_group`` reads that and exits,
-  so its relaunch can follow at once. A joiner that reached the barrier although some serving rank
-  counted it out stops with an error: the others are about to let its slot go, and a relaunch
-  in recover mode brings it back.
+  (``replacement_notices``): a joiner that never reached the barrier (still in
+  ``join_group``, or admitted by Mooncake too late, then waiting in a collective the others
+  left) reads that and exits, so its relaunch can follow at once. A joiner that reached the
+  barrier although some serving rank counted it out stops with an error: the others are about
+  to let its slot go, and a relaunch in recover mode brings it back.
 """
 
 from __future__ import annotations
@@ -138,13 +139,15 @@ def serving_rank_commit(original: Callable[..., Any], runner: Any,
 
 
 def tell_the_joiners_they_were_counted_out(ranks: Sequence[int]) -> None:
-    """The notice a joiner still in ``join_group`` waits on; without it (a store error) it
-    exits at its own ``--elastic-ep-scale-timeout``, so the error costs time, not the slot."""
+    """The notice a joiner that never reached the barrier watches for; without it (a store
+    error) that joiner is left to its own timeouts or its orchestrator: the error costs time,
+    not the slot, which is let go either way."""
     try:
         replacement_notices.announce_counted_out(ranks)
     except Exception as exc:  # noqa: BLE001 - the slot is let go either way
         logger.warning("[elastic-ep] could not tell joiners %s they were counted out (%s): "
-                       "each exits at its --elastic-ep-scale-timeout", list(ranks), exc)
+                       "end any of them still running before relaunching it", list(ranks),
+                       exc)
 
 
 def mark_failed(state: Any, ranks: Sequence[int]) -> None:

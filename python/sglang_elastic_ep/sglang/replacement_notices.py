@@ -12,9 +12,9 @@ survivors and withdrawn once the replacement is in:
   recovery instead of registering a scale cohort.
 - ``sglang_eep/counted_out/{rank}`` -> how many times a serving rank counted ``rank``'s joiner
   out of Mooncake's WORLD at a commit (its admission not acknowledged in time) and let its
-  slot go. A joiner still waiting in ``join_group`` reads a count above the one it found at
-  registration and exits, instead of waiting for its own timeout. Never withdrawn: only its
-  change counts.
+  slot go. A joiner that does not serve yet reads a count above the one it found at its
+  registration and exits, instead of waiting in ``join_group`` or in a collective the serving
+  ranks left. Never withdrawn: only its change counts.
 """
 
 from __future__ import annotations
@@ -92,5 +92,5 @@ def announce_counted_out(ranks: Iterable[int]) -> None:
 
 def times_counted_out(rank: int) -> int:
     """How many times the serving ranks counted ``rank``'s joiner out at a commit (read by a
-    scale joiner as it registers, and while it waits for its admission)."""
+    scale joiner as it registers, and until it serves)."""
     return _read(f"{COUNTED_OUT_KEY_PREFIX}/{rank}")
