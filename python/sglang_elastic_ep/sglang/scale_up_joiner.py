@@ -190,13 +190,12 @@ class AdmissionWatchdog:
     than ``timeout_s`` (``--elastic-ep-scale-timeout``) after registering its cohort, or as soon
     as ``turned_away`` (polled every ``poll_s``) gives a reason no admission will come.
 
-    ``join_group`` has no timeout that can be set (once, on the CPU cluster, its wait for the
-    admission gave up after 300 s, raising ``waitUntilRankActive timed out``): a joiner whose
-    scale-up was called off (cancelled, timed out on the serving ranks) or whose admission
-    Mooncake gave up on would wait there, alive and silent. By then the serving ranks have
-    dropped the scale (or committed without it), so the joiner exits with
-    :data:`EXIT_NOT_ADMITTED` and a line that says why, and the orchestrator sees a failed
-    process instead of one that never becomes ready. ``timeout_s`` 0: no limit."""
+    ``join_group`` has no timeout that can be set (Mooncake's own wait there lasts minutes,
+    docs/cpu-testbed.md): a joiner whose scale-up was called off (cancelled, timed out on the
+    serving ranks) or whose admission Mooncake gave up on would wait there, alive and silent.
+    By then the serving ranks have dropped the scale (or committed without it), so the joiner
+    exits with :data:`EXIT_NOT_ADMITTED` and a line that says why, and the orchestrator sees a
+    failed process instead of one that never becomes ready. ``timeout_s`` 0: no limit."""
 
     def __init__(self, timeout_s: float, who: str,
                  exit_process: Callable[[int], None] = end_the_joiners_server,
@@ -210,16 +209,23 @@ class AdmissionWatchdog:
         self._admitted = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> AdmissionWatchdog:
+    def start(self) -> AdmissionWatchdog:
         if self.timeout_s > 0 or self._turned_away is not None:
             self._thread = threading.Thread(target=self._watch, daemon=True,
                                             name="eep-admission-watchdog")
             self._thread.start()
         return self
 
+    def stop(self) -> None:
+        """The wait it watches is over: it ends without firing."""
+        self._admitted.set()
+
+    def __enter__(self) -> AdmissionWatchdog:
+        return self.start()
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._admitted.set()
+        self.stop()
 
     def _watch(self) -> None:
         deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else float("inf")
@@ -308,7 +314,7 @@ def join_world(original: Any, *args: Any, **kwargs: Any) -> Any:
     # expert map, the commit barrier) would wait for good. So this watch lasts until it serves.
     counted_out = {rank: replacement_notices.times_counted_out(rank) for rank in machine.ranks}
     holder.counted_out_watch = AdmissionWatchdog(
-        0, _who(machine), turned_away=lambda: counted_out_since(counted_out)).__enter__()
+        0, _who(machine), turned_away=lambda: counted_out_since(counted_out)).start()
     try:
         with AdmissionWatchdog(scale_timeout_s(), _who(machine),
                                turned_away=lambda: awaited_in_place(machine.ranks)):
@@ -361,7 +367,7 @@ def commit_joining(original: Any, runner: Any, target_size: int) -> Any:
 
 def stop_the_counted_out_watch(holder: JoinerState) -> None:
     if holder.counted_out_watch is not None:
-        holder.counted_out_watch.__exit__(None, None, None)
+        holder.counted_out_watch.stop()
         holder.counted_out_watch = None
 
 
